@@ -1,0 +1,3 @@
+"""sa_kernels: see the package README."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""sa_layers: see the package README."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""sa_mla: see the package README."""
+
+__all__: list[str] = []

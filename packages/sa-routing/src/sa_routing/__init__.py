@@ -1,0 +1,3 @@
+"""sa_routing: see the package README."""
+
+__all__: list[str] = []
