@@ -3,11 +3,10 @@
 # ///
 """Test, lint and benchmark sessions. Every session syncs its environment from uv.lock.
 
-    uvx nox              # lint, one test session per package, integration
-    uvx nox -s bench     # CPU benchmarks (GPU ones run through tools/gpu_tests.py)
+uvx nox              # lint, one test session per package, integration
+uvx nox -s bench     # CPU benchmarks (GPU ones run through tools/gpu_tests.py)
 """
 
-import os
 from pathlib import Path
 
 import nox
@@ -36,7 +35,16 @@ def sync(session: nox.Session, *args: str) -> None:
 
 
 def pytest(session: nox.Session, *paths: str) -> None:
-    session.run("pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), *paths, *session.posargs, env=CPU_ENV)
+    session.run(
+        "pytest",
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "--rootdir",
+        str(ROOT),
+        *paths,
+        *session.posargs,
+        env=CPU_ENV,
+    )
 
 
 @nox.session
@@ -66,4 +74,10 @@ def integration(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """CPU benchmarks (replay overhead and references); GPU benchmarks run via tools/gpu_tests.py."""
     sync(session, "--all-packages")
-    session.run("python", "tools/gpu_tests.py", "--cpu-bench", *session.posargs, env={"OMP_NUM_THREADS": "2"})
+    session.run(
+        "python",
+        "tools/gpu_tests.py",
+        "--cpu-bench",
+        *session.posargs,
+        env={"OMP_NUM_THREADS": "2"},
+    )

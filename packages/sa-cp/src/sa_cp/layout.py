@@ -1,0 +1,140 @@
+"""Contiguous context-parallel shards: rank r owns global positions [r*L, (r+1)*L) (SEMANTICS §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class ContextParallelLayout:
+    """This rank's contiguous shard of a sequence.
+
+    Attributes:
+        rank: this rank's index in the context-parallel group.
+        size: ranks in the group.
+        global_length: tokens in the unpadded global sequence.
+        local_length: tokens per shard (`L`), a multiple of `multiple_of`.
+        multiple_of: the compression unit every shard length must be a multiple of.
+    """
+
+    rank: int
+    size: int
+    global_length: int
+    local_length: int
+    multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"ContextParallelLayout: size must be >= 1; got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(
+                f"ContextParallelLayout: rank must be in [0, {self.size}); got {self.rank}"
+            )
+        if self.global_length < 1:
+            raise ValueError(
+                f"ContextParallelLayout: global_length must be >= 1; got {self.global_length}"
+            )
+        if self.multiple_of < 1:
+            raise ValueError(
+                f"ContextParallelLayout: multiple_of must be >= 1; got {self.multiple_of}"
+            )
+        if self.local_length < 1 or self.local_length % self.multiple_of:
+            raise ValueError(
+                f"ContextParallelLayout: local_length must be a positive multiple of multiple_of="
+                f"{self.multiple_of}; got {self.local_length}"
+            )
+        if self.padded_length < self.global_length:
+            raise ValueError(
+                f"ContextParallelLayout: size * local_length ({self.padded_length}) must cover "
+                f"global_length ({self.global_length})"
+            )
+
+    @classmethod
+    def create(
+        cls,
+        global_length: int,
+        group: dist.ProcessGroup | None = None,
+        multiple_of: int = 1,
+        *,
+        pad: bool = False,
+        rank: int | None = None,
+        size: int | None = None,
+    ) -> ContextParallelLayout:
+        """The layout of `global_length` tokens over `group` (single rank without a group).
+
+        Args:
+            global_length: tokens in the global sequence.
+            group: the context-parallel process group; `None` is the single-rank layout unless
+                `rank`/`size` are given (to plan a layout without a process group).
+            multiple_of: every shard length must be a multiple of this (region size, compress ratio).
+            pad: allow a global length that does not split evenly; shards then cover
+                `padded_length >= global_length` and the caller pads the tail.
+        Raises:
+            ValueError: the length does not split into `size` shards that are multiples of
+                `multiple_of` (and `pad` is False), the rank is out of range, sizes are not positive.
+        """
+        group_rank, group_size = _group_rank_and_size(group)
+        rank = group_rank if rank is None else rank
+        size = group_size if size is None else size
+        if size < 1:
+            raise ValueError(f"ContextParallelLayout.create: size must be >= 1; got {size}")
+        if multiple_of < 1:
+            raise ValueError(
+                f"ContextParallelLayout.create: multiple_of must be >= 1; got {multiple_of}"
+            )
+        unit = size * multiple_of
+        if global_length % unit and not pad:
+            raise ValueError(
+                f"ContextParallelLayout.create: global_length ({global_length}) must be divisible by "
+                f"size * multiple_of ({size} * {multiple_of} = {unit}); pass pad=True to pad the tail"
+            )
+        local_length = -(-global_length // unit) * multiple_of
+        return cls(rank, size, global_length, local_length, multiple_of)
+
+    @property
+    def padded_length(self) -> int:
+        """`size * local_length`: the global length the shards cover, padding included."""
+        return self.size * self.local_length
+
+    @property
+    def local_start(self) -> int:
+        """Global position of this rank's first token."""
+        return self.rank * self.local_length
+
+    @property
+    def local_stop(self) -> int:
+        return self.local_start + self.local_length
+
+
+def shard_sequence(
+    x: torch.Tensor, layout: ContextParallelLayout, dim: int = 1, pad_value: float | bool = 0
+) -> torch.Tensor:
+    """This rank's shard of a global tensor.
+
+    Args:
+        x: [..., global_length or padded_length, ...] along `dim`.
+        pad_value: fills the tail when `x` holds `global_length < padded_length` tokens
+            (positions and padding masks need a value of their own, e.g. `True` for a padding mask).
+    Returns:
+        [..., local_length, ...]: a view when no padding is needed.
+    """
+    length = x.size(dim)
+    if length not in (layout.global_length, layout.padded_length):
+        raise ValueError(
+            f"shard_sequence: x.size({dim}) must be global_length ({layout.global_length}) or "
+            f"padded_length ({layout.padded_length}); got shape {tuple(x.shape)}"
+        )
+    if length < layout.padded_length:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = layout.padded_length - length
+        x = torch.cat([x, x.new_full(pad_shape, pad_value)], dim=dim)
+    return x.narrow(dim, layout.local_start, layout.local_length)

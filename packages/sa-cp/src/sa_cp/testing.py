@@ -1,0 +1,79 @@
+"""Run a function on N real gloo ranks (forked CPU processes) and collect each rank's result.
+
+For tests across packages: `results = run_on_ranks(2, fn, *args)` calls `fn(rank, world_size, *args)`
+in every rank with the default process group initialised, and returns the ranks' return values in rank
+order. A failure on any rank is raised here with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import queue as queue_module
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _rank_main(
+    rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue: Any
+) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        )
+        try:
+            # Serialised here: tensors sent as shared memory would die with this process.
+            buffer = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), buffer)
+            queue.put((rank, "ok", buffer.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
+) -> list[Any]:
+    """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each on its own gloo rank."""
+    context = multiprocessing.get_context("fork")  # fork: `fn` may be defined in a test module
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "rendezvous")
+        processes = [
+            context.Process(target=_rank_main, args=(rank, world_size, store, fn, args, queue))
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        try:
+            for _ in range(world_size):
+                try:
+                    rank, status, payload = queue.get(timeout=timeout)
+                except queue_module.Empty:
+                    errors.append(
+                        f"no answer from {world_size - len(results)} rank(s) within {timeout} s"
+                    )
+                    break
+                if status == "ok":
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+                    break
+        finally:
+            for process in processes:
+                process.join(timeout=5 if errors else timeout)
+                if process.is_alive():
+                    process.kill()
+    if errors:
+        raise RuntimeError("run_on_ranks: a rank failed\n" + "\n".join(errors))
+    return [results[rank] for rank in range(world_size)]

@@ -1,0 +1,47 @@
+"""Backend choice shared by every op: CUDA tensors run Triton, CPU tensors run the reference.
+
+`backend="triton"` on CPU tensors runs the same kernels through Triton's interpreter, which needs
+`TRITON_INTERPRET=1` in the environment before Triton compiles anything (the CPU test sessions set it).
+"""
+
+import importlib.util
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "triton", "reference"]
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run through the interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> Literal["triton", "reference"]:
+    """Pick `"triton"` or `"reference"` for `op`, or raise saying why the requested one cannot run.
+
+    auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU.
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"{op}: backend must be 'auto', 'triton' or 'reference'; got {backend!r}")
+    devices = {t.device.type for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device; got {sorted(devices)}")
+    on_cuda = devices == {"cuda"}
+    if backend == "reference":
+        return "reference"
+    if backend == "auto":
+        return "triton" if on_cuda and has_triton() else "reference"
+    if not has_triton():
+        raise RuntimeError(f"{op}: backend='triton' needs the triton package, which is not installed")
+    if not on_cuda and not triton_interpret():
+        raise RuntimeError(
+            f"{op}: backend='triton' on {sorted(devices)} tensors needs TRITON_INTERPRET=1 "
+            "(Triton's interpreter); use CUDA tensors or backend='reference'"
+        )
+    return "triton"
