@@ -20,36 +20,8 @@ from sa_cp import (
     checkpoint_context_fn,
     route_selection_region,
 )
-
-ROUTES: RecomputeReplay[torch.Tensor] = RecomputeReplay("toy-routes")
-
-
-class ToyRoutedLayer(nn.Module):
-    """Picks `k` token ids per batch row from its input, then attends over the picked tokens."""
-
-    def __init__(self, dim: int, k: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-        self.k = k
-        self.router_calls = 0
-        self.flip_router = False  # makes a recompute decide differently from the forward
-
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        self.router_calls += 1
-        scores = x.sum(-1)
-        return (-scores if self.flip_router else scores).topk(self.k, dim=-1).indices
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        binding = ROUTES.current()
-        ids = binding.recorder.take() if binding is not None and binding.mode == "replay" else None
-        if ids is None:
-            with route_selection_region(), torch.no_grad():
-                ids = self.select(x)
-            if binding is not None and binding.mode == "record":
-                binding.recorder.record(ids)
-        h = self.proj(x)
-        picked = h.gather(1, ids[..., None].expand(-1, -1, h.size(-1)))
-        return x + torch.softmax(h @ picked.transpose(1, 2), dim=-1) @ picked
+from sa_cp.testing import TOY_ROUTES as ROUTES
+from sa_cp.testing import ToyRoutedLayer
 
 
 def mm_policy(ctx, op, *args, **kwargs):

@@ -1,4 +1,6 @@
-"""Run a function on N real gloo ranks (forked CPU processes) and collect each rank's result.
+"""Test support shared across packages: a toy routed layer, and a function run on N gloo ranks.
+
+Run a function on N real gloo ranks (forked CPU processes) and collect each rank's result.
 
 For tests across packages: `results = run_on_ranks(2, fn, *args)` calls `fn(rank, world_size, *args)`
 in every rank with the default process group initialised, and returns the ranks' return values in rank
@@ -18,6 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .replay import RecomputeReplay, route_selection_region
 
 
 def _rank_main(
@@ -77,3 +82,37 @@ def run_on_ranks(
     if errors:
         raise RuntimeError("run_on_ranks: a rank failed\n" + "\n".join(errors))
     return [results[rank] for rank in range(world_size)]
+
+
+TOY_ROUTES: RecomputeReplay[torch.Tensor] = RecomputeReplay("toy-routes")
+
+
+class ToyRoutedLayer(nn.Module):
+    """Picks `k` token ids per batch row from its input, then attends over the picked tokens.
+
+    The routed-layer pattern of `sa_cp.replay` in its smallest form, for tests and benchmarks.
+    """
+
+    def __init__(self, dim: int, k: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.k = k
+        self.router_calls = 0
+        self.flip_router = False  # makes a recompute decide differently from the forward
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        self.router_calls += 1
+        scores = x.sum(-1)
+        return (-scores if self.flip_router else scores).topk(self.k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        binding = TOY_ROUTES.current()
+        ids = binding.recorder.take() if binding is not None and binding.mode == "replay" else None
+        if ids is None:
+            with route_selection_region(), torch.no_grad():
+                ids = self.select(x)
+            if binding is not None and binding.mode == "record":
+                binding.recorder.record(ids)
+        h = self.proj(x)
+        picked = h.gather(1, ids[..., None].expand(-1, -1, h.size(-1)))
+        return x + torch.softmax(h @ picked.transpose(1, 2), dim=-1) @ picked
