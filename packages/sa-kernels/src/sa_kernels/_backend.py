@@ -22,7 +22,9 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> Literal["triton", "reference"]:
+def resolve_backend(
+    op: str, backend: str, *tensors: torch.Tensor
+) -> Literal["triton", "reference"]:
     """Pick `"triton"` or `"reference"` for `op`, or raise saying why the requested one cannot run.
 
     auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU.
@@ -38,7 +40,9 @@ def resolve_backend(op: str, backend: str, *tensors: torch.Tensor) -> Literal["t
     if backend == "auto":
         return "triton" if on_cuda and has_triton() else "reference"
     if not has_triton():
-        raise RuntimeError(f"{op}: backend='triton' needs the triton package, which is not installed")
+        raise RuntimeError(
+            f"{op}: backend='triton' needs the triton package, which is not installed"
+        )
     if not on_cuda and not triton_interpret():
         raise RuntimeError(
             f"{op}: backend='triton' on {sorted(devices)} tensors needs TRITON_INTERPRET=1 "
