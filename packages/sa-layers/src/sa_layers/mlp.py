@@ -1,0 +1,39 @@
+"""The dense feed-forward of Step-5 decoder layers: a clamped SwiGLU MLP (SEMANTICS §1.1)."""
+
+import torch
+from torch import nn
+
+from sa_kernels import clamped_swiglu
+
+
+class ClampedSwiGLUMLP(nn.Module):
+    """`down_proj(clamped_swiglu(gate_proj(x), up_proj(x), limit))`, no biases.
+
+    Args:
+        hidden_size, intermediate_size: model and feed-forward widths.
+        limit: the SwiGLU clamp; `limit <= 0` disables it.
+    Shapes:
+        x: [..., hidden_size] in the parameters' dtype → [..., hidden_size].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        limit: float,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size < 1 or intermediate_size < 1:
+            raise ValueError(
+                f"ClampedSwiGLUMLP: hidden_size and intermediate_size must be >= 1; got {hidden_size}, {intermediate_size}"
+            )
+        factory = {"dtype": dtype, "device": device}
+        self.limit = float(limit)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
