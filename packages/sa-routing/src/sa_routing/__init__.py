@@ -1,3 +1,52 @@
 """sa_routing: see the package README."""
 
-__all__: list[str] = []
+from sa_routing.qsa import (
+    QSAContextParallel,
+    QSAIndexer,
+    QSAIndexerConfig,
+    Qwen3_8_FlashNextQSAIndexer,
+    apply_qsa_rope,
+    right_padded_sequence_lengths,
+    select_qsa_token_ids,
+)
+from sa_routing.step5 import (
+    CausalDocumentLayout,
+    RegionMetadata,
+    RegionSelection,
+    Step5IndexerLayerNorm,
+    Step5IndexerRMSNorm,
+    Step5IndexerRotaryEmbedding,
+    Step5IndexerWeightProjection,
+    Step5SparseConfig,
+    Step5SparseIndexer,
+    gather_region_payload,
+    region_metadata,
+    region_summaries,
+    select_regions,
+    summarize_regions,
+)
+
+__all__: list[str] = [
+    # Step-5 CSA (sa_routing.step5)
+    "CausalDocumentLayout",
+    "QSAContextParallel",
+    "QSAIndexer",
+    "QSAIndexerConfig",
+    "Qwen3_8_FlashNextQSAIndexer",
+    "RegionMetadata",
+    "RegionSelection",
+    "Step5IndexerLayerNorm",
+    "Step5IndexerRMSNorm",
+    "Step5IndexerRotaryEmbedding",
+    "Step5IndexerWeightProjection",
+    "Step5SparseConfig",
+    "Step5SparseIndexer",
+    "apply_qsa_rope",
+    "gather_region_payload",
+    "region_metadata",
+    "region_summaries",
+    "right_padded_sequence_lengths",
+    "select_qsa_token_ids",
+    "select_regions",
+    "summarize_regions",
+]

@@ -1,0 +1,87 @@
+"""clamped_swiglu fwd and fwd+bwd on the GPU vs copy bandwidth and torch.compile of the reference, same run.
+
+Bytes count each tensor once: forward reads gate and up and writes out (3 tensors); backward reads gate, up and
+dout and writes d_gate and d_up (5 tensors). `vs_copy` = achieved GB/s over the device-to-device copy bandwidth
+measured in this run; `vs_compile` = torch.compile(reference forward, autograd backward) ms / ms.
+
+    python packages/sa-kernels/benchmarks/bench_clamped_swiglu.py [--quick] [--json PATH]
+"""
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from sa_kernels import clamped_swiglu
+from sa_kernels.clamped_swiglu import reference
+
+LIMIT = 7.0
+
+
+def copy_bandwidth_gbps(nbytes: int) -> float:
+    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
+    return 2 * nbytes / ms / 1e6
+
+
+def _bench_shape(shape, compiled, copy_gbps: float) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate = (
+        (torch.randn(shape, device="cuda", generator=gen) * 4).to(torch.bfloat16).requires_grad_()
+    )
+    up = (torch.randn(shape, device="cuda", generator=gen) * 4).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+    results = {}
+    for label, fn in (("ours", lambda g, u: clamped_swiglu(g, u, LIMIT)), ("compile", compiled)):
+        fwd = do_bench(lambda fn=fn: fn(gate, up), warmup=25, rep=100)
+        both = do_bench(
+            lambda fn=fn: fn(gate, up).backward(grad), warmup=25, rep=100, grad_to_none=[gate, up]
+        )
+        results[label] = (fwd, both)
+    n = gate.numel()
+    for i, (name, tensors) in enumerate((("clamped_swiglu fwd", 3), ("clamped_swiglu fwd+bwd", 8))):
+        ms, cms = results["ours"][i], results["compile"][i]
+        gbps = 2 * n * tensors / ms / 1e6
+        row = {
+            "name": name,
+            "shape": f"{shape} bfloat16",
+            "ms": round(ms, 4),
+            "gbps": round(gbps, 1),
+            "vs_copy": round(gbps / copy_gbps, 3),
+            "compile_ms": round(cms, 4),
+            "vs_compile": round(cms / ms, 3),
+            "copy_gbps": round(copy_gbps, 1),
+        }
+        rows.append(row)
+        print(
+            f"{name:<24} {row['shape']:<24} {ms:>8.3f} ms {gbps:>7.0f} GB/s  {row['vs_copy']:>5.2f}x copy"
+            f"  {row['vs_compile']:>5.2f}x compile ({cms:.3f} ms)",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="only the [65536, 4096] BF16 target shape"
+    )
+    parser.add_argument("--json", help="write the rows as JSON to this path")
+    args = parser.parse_args()
+    shapes = [(65536, 4096)] if args.quick else [(65536, 4096), (16384, 11008)]
+    copy_gbps = copy_bandwidth_gbps(1 << 30)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s ({torch.cuda.get_device_name()})")
+    rows = []
+    compiled = torch.compile(lambda g, u: reference.clamped_swiglu_forward(g, u, LIMIT))
+    for shape in shapes:
+        rows += _bench_shape(shape, compiled, copy_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

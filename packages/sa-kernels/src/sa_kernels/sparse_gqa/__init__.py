@@ -1,0 +1,215 @@
+"""`sparse_gqa_attention`: softmax attention of each query over the keys its route selects.
+
+Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that load
+only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled FlexAttention over
+`build_route_block_mask`'s 128×128 BlockMask, CUDA only), "fa4" (FlashAttention-4 block sparsity:
+not implemented, raises), "auto" (CUDA: flex when the touched tiles are dense enough, else gather;
+CPU: reference).
+"""
+
+import functools
+
+import torch
+
+from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
+from .reference import sparse_gqa_attention_reference
+from .triton_kernels import gather_attention_backward, gather_attention_forward
+
+__all__ = ["RouteBlockMask", "build_route_block_mask", "sparse_gqa_attention"]
+
+BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _GatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, routes, counts, scale):
+        out, lse = gather_attention_forward(query, key, value, routes, counts, scale)
+        ctx.save_for_backward(query, key, value, out, lse, routes, counts)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, routes, counts = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        dq, dk, dv = gather_attention_backward(
+            query, key, value, out, grad_out, lse, routes, counts, ctx.scale
+        )
+        return dq, dk, dv, None, None, None
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(attention, query, key, value, block_mask: RouteBlockMask, scale: float) -> torch.Tensor:
+    """Flex attention over the route BlockMask in our [batch, tokens, heads, dim] layout."""
+    out = attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        block_mask=block_mask.flex,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def _validate(fn, query, key, value, token_ids, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
+    for name, t in (("query", query), ("key", key), ("value", value), ("token_ids", token_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D; got shape {tuple(t.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"{fn}: query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not query.dtype.is_floating_point:
+        raise TypeError(f"{fn}: query must be a floating tensor; got {query.dtype}")
+    if token_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: token_ids must be int32 or int64; got {token_ids.dtype}")
+    batch, queries, query_heads, head_dim = query.shape
+    if key.shape != value.shape or key.shape[0] != batch or key.shape[3] != head_dim:
+        raise ValueError(
+            f"{fn}: key and value must be [batch={batch}, kv_length, kv_heads, head_dim={head_dim}]; "
+            f"got key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    kv_heads = key.shape[2]
+    if kv_heads < 1 or query_heads % kv_heads:
+        raise ValueError(
+            f"{fn}: query heads ({query_heads}) must be a multiple of kv heads ({kv_heads})"
+        )
+    shared = (batch, queries)
+    grouped = (batch, kv_heads, queries)
+    if not (
+        (token_ids.dim() == 3 and tuple(token_ids.shape[:2]) == shared)
+        or (token_ids.dim() == 4 and tuple(token_ids.shape[:3]) == grouped)
+    ):
+        raise ValueError(
+            f"{fn}: token_ids must be [batch, queries, W] = [{batch}, {queries}, W] or "
+            f"[batch, kv_heads, queries, W] = [{batch}, {kv_heads}, {queries}, W]; "
+            f"got {tuple(token_ids.shape)}"
+        )
+    if token_ids.shape[-1] < 1:
+        raise ValueError(f"{fn}: token_ids must hold at least one slot per row; got W = 0")
+    devices = {t.device for t in (query, key, value, token_ids)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{fn}: all tensors must be on one device; got {sorted(map(str, devices))}"
+        )
+
+
+def _check_block_mask(fn, block_mask, query, key, token_ids):
+    if not isinstance(block_mask, RouteBlockMask):
+        raise TypeError(
+            f"{fn}: block_mask must be a RouteBlockMask from build_route_block_mask; "
+            f"got {type(block_mask).__name__}"
+        )
+    route_heads = 1 if token_ids.dim() == 3 else token_ids.shape[1]
+    expected = (query.shape[0], route_heads, query.shape[1], token_ids.shape[-1])
+    if (
+        tuple(block_mask.routes.shape) != expected
+        or block_mask.kv_length != key.shape[1]
+        or block_mask.query_heads != query.shape[2]
+        or block_mask.routes.device != query.device
+    ):
+        raise ValueError(
+            f"{fn}: block_mask was built for routes {tuple(block_mask.routes.shape)}, kv_length "
+            f"{block_mask.kv_length}, query_heads {block_mask.query_heads} on "
+            f"{block_mask.routes.device}; these inputs need {expected}, {key.shape[1]}, "
+            f"{query.shape[2]} on {query.device}"
+        )
+
+
+def _fa4_unavailable(fn: str) -> str:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as err:
+        return (
+            f"{fn}: backend='fa4' needs the optional flash-attn-4 package (pip install "
+            f"'sa-kernels[fa4]'); importing it failed: {err}"
+        )
+    return f"{fn}: backend='fa4' is not implemented yet in sa_kernels; use 'gather' or 'flex'"
+
+
+def sparse_gqa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    backend: str = "auto",
+    block_mask: RouteBlockMask | None = None,
+) -> torch.Tensor:
+    """Softmax attention of each query row over the keys its route selects (GQA, K/V not expanded).
+
+    Args:
+        query: [batch, queries, query_heads, head_dim] bf16/fp16/fp32 (float64: reference only).
+        key: [batch, kv_length, kv_heads, head_dim], same dtype; query_heads % kv_heads == 0.
+        value: [batch, kv_length, kv_heads, head_dim], same dtype.
+        token_ids: int32/int64 [batch, queries, W] (one route shared by every KV group) or
+            [batch, kv_heads, queries, W] (one route per KV group): global key ids; ids outside
+            [0, kv_length) (−1 by convention) are padding; repeats count once (set semantics). No
+            causal mask is added: the routes say what each query sees.
+        softmax_scale: multiplies the scores; default head_dim ** -0.5.
+        backend: "auto" | "gather" | "flex" | "fa4" | "reference" (see the module docstring).
+        block_mask: a `build_route_block_mask(token_ids, kv_length, query_heads)` result for these
+            routes, to reuse across layers and recompute; built here when None (gather, flex, auto).
+    Returns:
+        [batch, queries, query_heads, head_dim] in query.dtype; FP32 softmax; a row with no valid id
+        gives 0 and zero gradients.
+    Raises:
+        TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
+            block_mask that is not a RouteBlockMask.
+        ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
+            block_mask built for other routes.
+        RuntimeError: backend 'flex' on CPU tensors, 'gather' on CPU without TRITON_INTERPRET=1,
+            'fa4' (needs flash-attn-4; not implemented).
+    """
+    fn = "sparse_gqa_attention"
+    _validate(fn, query, key, value, token_ids, backend)
+    if block_mask is not None:
+        _check_block_mask(fn, block_mask, query, key, token_ids)
+    scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    on_cuda = query.device.type == "cuda"
+    if backend == "fa4":
+        raise RuntimeError(_fa4_unavailable(fn))
+    if backend == "auto" and not on_cuda:
+        backend = "reference"
+    if backend == "reference":
+        return sparse_gqa_attention_reference(query, key, value, token_ids, scale)
+    if query.dtype not in _FLOATS:
+        raise TypeError(
+            f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
+        )
+    if backend == "flex" and not on_cuda:
+        raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
+    if backend == "gather" and not on_cuda:
+        from sa_kernels._backend import resolve_backend
+
+        resolve_backend(fn, "triton", query)  # raises without TRITON_INTERPRET=1
+    if block_mask is None:
+        block_mask = build_route_block_mask(
+            token_ids,
+            key.shape[1],
+            query.shape[2],
+            build_flex={"flex": True, "auto": None}.get(backend, False),
+        )
+    if backend == "auto":
+        use_flex = block_mask.occupancy >= FLEX_MIN_OCCUPANCY and block_mask.flex is not None
+        backend = "flex" if use_flex else "gather"
+    if backend == "flex":
+        if block_mask.flex is None:
+            raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
+        return _flex(_compiled_flex(), query, key, value, block_mask, scale)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return _GatherAttention.apply(query, key, value, block_mask.routes, block_mask.counts, scale)

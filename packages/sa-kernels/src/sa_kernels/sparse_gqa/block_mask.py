@@ -1,0 +1,228 @@
+"""`build_route_block_mask`: route membership as a FlexAttention `BlockMask`, built once per routes.
+
+Tiles are 128×128 (query tile × key tile). A tile whose every (query, key) pair is selected is *full*
+(Flex skips the mask there); a tile with some pairs is *partial*: it gets a 128×128 bitmap (2 KiB)
+and Flex's `mask_mod` reads one bit (a slot table lookup, then one word; int64 flat offsets). Memory
+is O(partial tiles), never a dense [queries, kv_length] bool mask. The tile counts also give the
+*occupancy* (selected pairs / area of the touched tiles) that `backend="auto"` reads.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .routes import canonical_routes
+
+TILE = 128
+# backend="auto" runs Flex when at least this fraction of the touched tiles' area is selected: the
+# gather kernel's cost follows the selected pairs, Flex's the touched tiles (docs/benchmarks.md).
+FLEX_MIN_OCCUPANCY = 0.5
+# Route entries binned per step of the tile count (bounds the int64 temporaries).
+_BIN_CHUNK = 1 << 25
+
+
+@dataclass(frozen=True)
+class RouteBlockMask:
+    """Canonical routes plus their tile structure; pass it to `sparse_gqa_attention(block_mask=...)`.
+
+    routes: int32 [batch, route_heads, queries, W] (`routes.canonical_routes`): per row a prefix of
+        `counts` slots holding each distinct valid id once (ascending; repeats became the
+        sentinel `kv_length`), then the sentinel.
+    counts: int32 [batch, route_heads, queries], prefix length per row.
+    kv_length: number of keys the routes address.
+    query_heads: query heads the Flex mask addresses (route head = query head // group).
+    occupancy: selected pairs / area of the 128×128 tiles they touch (1.0: block-aligned routes).
+    touched_tiles: tiles holding at least one pair, over all (batch, route head).
+    flex: the FlexAttention `BlockMask` ([batch, query_heads or 1, queries, kv_length]), or None
+        when it was not built.
+    """
+
+    routes: torch.Tensor
+    counts: torch.Tensor
+    kv_length: int
+    query_heads: int
+    occupancy: float
+    touched_tiles: int
+    flex: object | None
+
+    @property
+    def route_heads(self) -> int:
+        return self.routes.shape[1]
+
+    @property
+    def queries(self) -> int:
+        return self.routes.shape[2]
+
+
+def tile_pair_counts(routes: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """int64 [batch, route_heads, query_tiles, kv_tiles]: selected (query, key) pairs per tile."""
+    batch, route_heads, queries, width = routes.shape
+    q_tiles = -(-queries // TILE)
+    kv_tiles = -(-kv_length // TILE)
+    bins = torch.zeros(
+        batch * route_heads * q_tiles * kv_tiles + 1, dtype=torch.int64, device=routes.device
+    )
+    rows_per_step = max(1, _BIN_CHUNK // max(1, batch * route_heads * width))
+    row_heads = torch.arange(batch * route_heads, device=routes.device).view(-1, 1, 1)
+    for start in range(0, queries, rows_per_step):
+        stop = min(start + rows_per_step, queries)
+        ids = routes[:, :, start:stop].reshape(batch * route_heads, stop - start, width).long()
+        q_tile = (torch.arange(start, stop, device=routes.device) // TILE).view(1, -1, 1)
+        flat = (row_heads * q_tiles + q_tile) * kv_tiles + ids // TILE
+        flat = torch.where(ids < kv_length, flat, bins.numel() - 1)
+        bins += torch.bincount(flat.reshape(-1), minlength=bins.numel())
+    return bins[:-1].view(batch, route_heads, q_tiles, kv_tiles)
+
+
+def _tile_area(queries: int, kv_length: int, device: torch.device) -> torch.Tensor:
+    q_rows = (queries - torch.arange(0, queries, TILE, device=device)).clamp(max=TILE)
+    kv_cols = (kv_length - torch.arange(0, kv_length, TILE, device=device)).clamp(max=TILE)
+    return q_rows[:, None] * kv_cols[None, :]
+
+
+def _blocks_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flex block lists: per query tile, the count and the ascending kv-tile indices of `selected`."""
+    num = selected.sum(dim=-1, dtype=torch.int32)
+    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return num.contiguous(), order.contiguous()
+
+
+WORDS_PER_TILE = TILE * TILE // 32
+_FULL = -2  # slot-table value of a full tile (untouched: −1, partial: its bitmap slot)
+
+
+def partial_tile_bitmaps(
+    routes: torch.Tensor, kv_length: int, slots: torch.Tensor, partial: int
+) -> torch.Tensor:
+    """int32 [capacity · 512] (capacity: partial tiles rounded up to a power of two): bit (r, c) of
+    partial tile t's bitmap (word t·512 + r·4 + c // 32, bit c % 32) is set iff query row r of the
+    tile selects key column c."""
+    batch, route_heads, queries, width = routes.shape
+    q_tiles, kv_tiles = slots.shape[-2:]
+    # Capacity rounded up to a power of two: new routes of one geometry reuse the compiled Flex
+    # kernels (a captured buffer of a new length would recompile them).
+    capacity = 1 << max(0, partial - 1).bit_length()
+    words = torch.zeros(capacity * WORDS_PER_TILE + 1, dtype=torch.int64, device=routes.device)
+    if partial == 0:
+        return words[:-1].to(torch.int32)
+    flat_slots = slots.reshape(-1).long()
+    rows_per_step = max(1, _BIN_CHUNK // max(1, batch * route_heads * width))
+    row_heads = torch.arange(batch * route_heads, device=routes.device).view(-1, 1, 1)
+    for start in range(0, queries, rows_per_step):
+        stop = min(start + rows_per_step, queries)
+        ids = routes[:, :, start:stop].reshape(batch * route_heads, stop - start, width).long()
+        q = torch.arange(start, stop, device=routes.device).view(1, -1, 1)
+        valid = ids < kv_length
+        cols = torch.where(valid, ids, 0)
+        slot = flat_slots[(row_heads * q_tiles + q // TILE) * kv_tiles + cols // TILE]
+        word = (slot * TILE + q % TILE) * (TILE // 32) + (cols % TILE) // 32
+        word = torch.where(valid & (slot >= 0), word, words.numel() - 1)
+        words.scatter_add_(0, word.reshape(-1), (1 << (cols % 32)).reshape(-1))
+    words = words[:-1]  # distinct pairs set distinct bits: the sums are bitwise ORs below 2**32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def route_mask_mod(slots: torch.Tensor, bits: torch.Tensor, query_heads: int):
+    """Flex `mask_mod`: key kv is visible to (b, h, q) iff its tile is full, or partial with the bit set."""
+    _, route_heads, q_tiles, kv_tiles = slots.shape
+    group = query_heads // route_heads
+    flat_slots = slots.reshape(-1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        head = h // group if route_heads > 1 else h * 0
+        tile = ((b.to(torch.int64) * route_heads + head) * q_tiles + q_idx // TILE) * kv_tiles
+        slot = flat_slots[tile + kv_idx // TILE].to(torch.int64)
+        word = (torch.where(slot >= 0, slot, 0) * TILE + q_idx % TILE) * (TILE // 32)
+        bit = (bits[word + (kv_idx % TILE) // 32] >> (kv_idx % 32)) & 1
+        return (slot == _FULL) | ((slot >= 0) & (bit == 1))
+
+    return mask_mod
+
+
+def build_route_block_mask(
+    token_ids: torch.Tensor,
+    kv_length: int,
+    query_heads: int,
+    *,
+    build_flex: bool | None = True,
+) -> RouteBlockMask:
+    """Canonicalise routes once and build their 128×128 FlexAttention `BlockMask`.
+
+    Args:
+        token_ids: integer [batch, queries, W] (one route for every KV group) or
+            [batch, kv_heads, queries, W] (one per KV group); global key ids, ids outside
+            [0, kv_length) (−1 by convention) are padding, repeats count once.
+        kv_length: number of keys (S_kv).
+        query_heads: query heads of the attention that will use the mask (a multiple of kv_heads).
+        build_flex: also build the Flex `BlockMask` (needs torch's flex_attention module); False
+            keeps only the canonical routes and tile statistics (what the gather kernel needs);
+            None builds it only when the occupancy reaches FLEX_MIN_OCCUPANCY (what auto uses).
+    Returns:
+        RouteBlockMask, reusable across layers and in recompute for the same routes and geometry.
+    Raises:
+        TypeError: token_ids is not an integer tensor.
+        ValueError: token_ids is not 3-D or 4-D, kv_length < 1, or query_heads is not a positive
+            multiple of the route heads.
+    """
+    fn = "build_route_block_mask"
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
+        got = token_ids.dtype if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+        raise TypeError(f"{fn}: token_ids must be an int32 or int64 tensor; got {got}")
+    if token_ids.dim() not in (3, 4):
+        raise ValueError(
+            f"{fn}: token_ids must be [batch, queries, W] or [batch, kv_heads, queries, W]; "
+            f"got shape {tuple(token_ids.shape)}"
+        )
+    if kv_length < 1:
+        raise ValueError(f"{fn}: kv_length must be >= 1; got {kv_length}")
+    routes4 = token_ids.unsqueeze(1) if token_ids.dim() == 3 else token_ids
+    route_heads = routes4.shape[1]
+    if query_heads < 1 or query_heads % route_heads:
+        raise ValueError(
+            f"{fn}: query_heads must be a positive multiple of the route heads ({route_heads}); "
+            f"got {query_heads}"
+        )
+    routes, counts = canonical_routes(routes4, kv_length)
+    pairs = tile_pair_counts(routes, kv_length)
+    area = _tile_area(routes.shape[2], kv_length, routes.device)
+    touched = pairs > 0
+    full = pairs == area
+    partial = touched & ~full
+    stats = torch.stack([touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum()])
+    touched_tiles, touched_area, selected, partial_tiles = stats.tolist()  # one host sync
+    occupancy = selected / touched_area if touched_area else 1.0
+    if build_flex is None:
+        build_flex = occupancy >= FLEX_MIN_OCCUPANCY
+    flex = None
+    if build_flex:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        slots = torch.where(full, _FULL, -1).to(torch.int32)
+        order = torch.cumsum(partial.reshape(-1), 0, dtype=torch.int32).view_as(slots) - 1
+        slots = torch.where(partial, order, slots)
+        bits = partial_tile_bitmaps(routes, kv_length, slots, partial_tiles)
+        kv_num, kv_idx = _blocks_first(partial)
+        full_num, full_idx = _blocks_first(full)
+        if route_heads > 1:
+            group = query_heads // route_heads
+            kv_num, kv_idx, full_num, full_idx = (
+                t.repeat_interleave(group, dim=1) for t in (kv_num, kv_idx, full_num, full_idx)
+            )
+        flex = BlockMask.from_kv_blocks(
+            kv_num,
+            kv_idx,
+            full_num,
+            full_idx,
+            BLOCK_SIZE=TILE,
+            mask_mod=route_mask_mod(slots, bits, query_heads),
+            seq_lengths=(routes.shape[2], kv_length),
+        )
+    return RouteBlockMask(
+        routes=routes,
+        counts=counts,
+        kv_length=kv_length,
+        query_heads=query_heads,
+        occupancy=occupancy,
+        touched_tiles=touched_tiles,
+        flex=flex,
+    )

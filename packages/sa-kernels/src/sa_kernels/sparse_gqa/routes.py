@@ -1,0 +1,34 @@
+"""Canonical routes: the one form every fast backend reads (built once, reused across layers)."""
+
+import torch
+
+
+def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop padding and repeats so that each row is a prefix of distinct ids to scan, then sentinels.
+
+    Rows that already hold strictly ascending valid ids followed by padding (what the route
+    selectors emit) are kept as they are; otherwise every row is sorted once and each repeat after
+    its first occurrence becomes the sentinel. One host synchronisation (the ascending check).
+
+    Args:
+        token_ids: integer [batch, route_heads, queries, W]; ids outside [0, kv_length) are padding.
+        kv_length: number of keys; also the sentinel.
+    Returns:
+        routes: int32 [batch, route_heads, queries, W], contiguous; the first `counts` slots of a row
+            hold its distinct valid ids (ascending) and possibly sentinels where repeats were; every
+            later slot is the sentinel `kv_length`.
+        counts: int32 [batch, route_heads, queries], the prefix length to scan per row.
+    """
+    ids = token_ids.to(torch.int32)
+    sentinel = torch.full((), kv_length, dtype=torch.int32, device=ids.device)
+    valid = (ids >= 0) & (ids < kv_length)
+    ids = torch.where(valid, ids, sentinel)
+    if ids.shape[-1] > 1:
+        tail, head = ids[..., 1:], ids[..., :-1]
+        if not bool(((tail > head) | (tail == kv_length)).all()):
+            ids = ids.sort(dim=-1).values
+            repeat = torch.zeros_like(ids, dtype=torch.bool)
+            repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+            ids = torch.where(repeat, sentinel, ids)
+    counts = valid.sum(dim=-1, dtype=torch.int32)
+    return ids.contiguous(), counts

@@ -1,0 +1,273 @@
+"""Gather kernels: each program is one (batch, query, KV group); its G query heads share one route.
+
+Only the selected K/V rows are loaded. Routes come canonical (`routes.canonical_routes`): a prefix
+of `count` slots holding each distinct valid id once (repeats and padding replaced by the sentinel
+`kv_length`, which the kernels mask), so the loop stops at the count. Scores, softmax and
+accumulators are FP32; the backward scatters dK and dV into FP32 buffers with FP32 atomics (one
+add per selected row and column, no repeats inside a program).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sa_kernels._backend import triton_interpret
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with FP32 accumulation; IEEE: exact FP32 products; UPCAST: widen 16-bit operands first
+    (Triton's interpreter multiplies bf16 bit patterns as integers; the widened products are exact)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _gather_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_rb, stride_rh, stride_rq,
+    stride_cb, stride_ch,
+    stride_ob, stride_oq, stride_oh,
+    stride_lb, stride_lh,
+    queries, kv_heads, kv_length, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROUTE_PER_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    rh = h if ROUTE_PER_GROUP else 0
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_w = tl.arange(0, BLOCK_W)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = h * GROUP + offs_g
+    b64 = b.to(tl.int64)
+    q_base = q_ptr + b64 * stride_qb + q_idx.to(tl.int64) * stride_qq
+    q = tl.load(
+        q_base + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    route_base = routes_ptr + b64 * stride_rb + rh * stride_rh + q_idx.to(tl.int64) * stride_rq
+    count = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
+    k_base = k_ptr + b64 * stride_kb + h * stride_kh
+    v_base = v_ptr + b64 * stride_vb + h * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, count, BLOCK_W):
+        ids = tl.load(route_base + start + offs_w, mask=start + offs_w < count, other=kv_length)
+        w_mask = ids < kv_length
+        ids = tl.where(w_mask, ids, 0).to(tl.int64)
+        kv_mask = w_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _mm(q, tl.trans(k), IEEE, UPCAST)
+        s = tl.where(w_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of repeats only
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _mm(p.to(v.dtype), v, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_base = out_ptr + b64 * stride_ob + q_idx.to(tl.int64) * stride_oq
+    tl.store(
+        o_base + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+    # Log-sum-exp in the exp2 domain of the scaled scores; +inf marks an empty row.
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, lse, mask=g_mask)
+
+
+@triton.jit
+def _gather_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, counts_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_oq, stride_oh,
+    stride_dob, stride_doq, stride_doh,
+    stride_lb, stride_lh,
+    stride_rb, stride_rh, stride_rq,
+    stride_cb, stride_ch,
+    stride_dqb, stride_dqq, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    queries, kv_heads, kv_length, scale, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROUTE_PER_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    rh = h if ROUTE_PER_GROUP else 0
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_w = tl.arange(0, BLOCK_W)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    gd_mask = g_mask[:, None] & d_mask[None, :]
+    heads = h * GROUP + offs_g
+    b64 = b.to(tl.int64)
+    q64 = q_idx.to(tl.int64)
+    q = tl.load(
+        q_ptr + b64 * stride_qb + q64 * stride_qq + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gd_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        do_ptr
+        + b64 * stride_dob
+        + q64 * stride_doq
+        + heads[:, None] * stride_doh
+        + offs_d[None, :],
+        mask=gd_mask,
+        other=0.0,
+    )
+    o = tl.load(
+        o_ptr + b64 * stride_ob + q64 * stride_oq + heads[:, None] * stride_oh + offs_d[None, :],
+        mask=gd_mask,
+        other=0.0,
+    )
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, mask=g_mask, other=0.0)
+    route_base = routes_ptr + b64 * stride_rb + rh * stride_rh + q64 * stride_rq
+    count = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
+    k_base = k_ptr + b64 * stride_kb + h * stride_kh
+    v_base = v_ptr + b64 * stride_vb + h * stride_vh
+    dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
+    dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
+    dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, count, BLOCK_W):
+        ids = tl.load(route_base + start + offs_w, mask=start + offs_w < count, other=kv_length)
+        w_mask = ids < kv_length
+        ids = tl.where(w_mask, ids, 0).to(tl.int64)
+        kv_mask = w_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _mm(q, tl.trans(k), IEEE, UPCAST)
+        dp = _mm(do, tl.trans(v), IEEE, UPCAST)
+        p = tl.exp2(s * scale_log2 - lse[:, None])
+        p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, IEEE, UPCAST)
+        dk = _mm(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+        dv = _mm(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+        row = ids[:, None] * stride_dks + offs_d[None, :]
+        tl.atomic_add(dk_base + row, dk * scale, mask=kv_mask, sem="relaxed")
+        tl.atomic_add(dv_base + row, dv, mask=kv_mask, sem="relaxed")
+    tl.store(
+        dq_ptr
+        + b64 * stride_dqb
+        + q64 * stride_dqq
+        + heads[:, None] * stride_dqh
+        + offs_d[None, :],
+        (dq * scale).to(dq_ptr.dtype.element_ty),
+        mask=gd_mask,
+    )
+
+
+def _blocks(group: int, head_dim: int) -> tuple[int, int, int]:
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_w = 64 if block_d <= 128 else 32
+    return block_g, block_d, block_w
+
+
+def gather_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Q, Hq, D] (query dtype) and lse FP32 [B, Hq, Q] (log2 domain of scale·scores)."""
+    batch, queries, query_heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    group = query_heads // kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    lse = torch.empty(batch, query_heads, queries, dtype=torch.float32, device=query.device)
+    block_g, block_d, block_w = _blocks(group, head_dim)
+    grid = (queries, batch * kv_heads)
+    _gather_fwd_kernel[grid](
+        query, key, value, routes, counts, out, lse,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        routes.stride(0), routes.stride(1), routes.stride(2),
+        counts.stride(0), counts.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        queries, kv_heads, key.shape[1], scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=block_w,
+        IEEE=query.dtype == torch.float32,
+        UPCAST=triton_interpret() and query.dtype != torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out, lse
+
+
+def gather_attention_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32."""
+    batch, queries, query_heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    group = query_heads // kv_heads
+    dq = torch.empty_like(query)
+    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    block_g, block_d, block_w = _blocks(group, head_dim)
+    grid = (queries, batch * kv_heads)
+    _gather_bwd_kernel[grid](
+        query, key, value, out, grad_out, lse, routes, counts,
+        dq, dk, dv,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        lse.stride(0), lse.stride(1),
+        routes.stride(0), routes.stride(1), routes.stride(2),
+        counts.stride(0), counts.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        queries, kv_heads, key.shape[1], scale, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=min(block_w, 32),
+        IEEE=query.dtype == torch.float32,
+        UPCAST=triton_interpret() and query.dtype != torch.float32,
+        num_warps=4 if block_d <= 128 else 8, num_stages=1,
+    )  # fmt: skip
+    return dq, dk.to(key.dtype), dv.to(value.dtype)

@@ -1,0 +1,529 @@
+"""sparse_gqa_attention: the oracle against dense masked attention, the gather kernels (Triton
+interpreter on CPU, real sizes on CUDA) and FlexAttention against the oracle, route block masks."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from sa_kernels.sparse_gqa import RouteBlockMask, build_route_block_mask, sparse_gqa_attention
+from sa_kernels.sparse_gqa.block_mask import tile_pair_counts
+from sa_kernels.sparse_gqa.reference import (
+    dense_route_mask,
+    route_membership,
+    sparse_gqa_attention_reference,
+)
+from sa_kernels.sparse_gqa.routes import canonical_routes
+from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
+from sa_kernels.sparse_gqa.triton_kernels import gather_attention_forward
+
+
+def _inputs(
+    batch, queries, query_heads, kv_heads, head_dim, kv_length, dtype, device="cpu", seed=0
+):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+    q = make(batch, queries, query_heads, head_dim).to(dtype).requires_grad_()
+    k = make(batch, kv_length, kv_heads, head_dim).to(dtype).requires_grad_()
+    v = make(batch, kv_length, kv_heads, head_dim).to(dtype).requires_grad_()
+    return q, k, v, gen
+
+
+def _random_ids(shape, kv_length, gen, device="cpu", empty_rows=(), repeats=True):
+    """Random ids in [−1, kv_length) with forced repeats and some fully padded rows."""
+    ids = torch.randint(-1, kv_length, shape, generator=gen, device=device, dtype=torch.int32)
+    if repeats and shape[-1] > 3:
+        ids[..., 1] = ids[..., 0]  # a repeat in every row
+        ids[..., 3] = ids[..., 2]
+    for row in empty_rows:
+        ids[..., row, :] = -1
+    return ids
+
+
+def _dense_attention(q, k, v, ids, scale=None):
+    """Independent formula: dense float64 scores under the route membership mask."""
+    batch, queries, query_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    mask = dense_route_mask(ids, k.shape[1], query_heads)  # [B, Hq, Q, S]
+    scale = head_dim**-0.5 if scale is None else scale
+    kk = k.double().repeat_interleave(query_heads // kv_heads, dim=2)
+    vv = v.double().repeat_interleave(query_heads // kv_heads, dim=2)
+    scores = torch.einsum("bqhd,bshd->bhqs", q.double(), kk) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqs,bshd->bqhd", probs, vv)
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+@pytest.mark.parametrize(
+    ("batch", "queries", "query_heads", "kv_heads", "head_dim", "kv_length", "width"),
+    [(2, 19, 6, 2, 24, 37, 11), (1, 33, 4, 4, 16, 50, 64), (2, 7, 3, 1, 40, 9, 5)],
+    ids=["B2-Q19-H6/2-D24-S37-W11", "B1-Q33-H4/4-D16-S50-W64", "B2-Q7-H3/1-D40-S9-W5"],
+)
+def test_reference_matches_dense_masked_softmax(
+    batch, queries, query_heads, kv_heads, head_dim, kv_length, width, per_group
+):
+    q, k, v, gen = _inputs(
+        batch, queries, query_heads, kv_heads, head_dim, kv_length, torch.float64
+    )
+    shape = (batch, kv_heads, queries, width) if per_group else (batch, queries, width)
+    ids = _random_ids(shape, kv_length, gen, empty_rows=(2,))
+    out = sparse_gqa_attention_reference(q, k, v, ids, query_chunk=4)
+    torch.testing.assert_close(out, _dense_attention(q, k, v, ids), rtol=1e-12, atol=1e-12)
+    assert out[:, 2].abs().max() == 0
+
+
+def test_reference_chunking_and_id_order_never_change_results():
+    q, k, v, gen = _inputs(2, 21, 4, 2, 16, 30, torch.float32)
+    ids = _random_ids((2, 2, 21, 13), 30, gen)
+    permuted = ids[..., torch.randperm(13, generator=gen)]
+    whole = sparse_gqa_attention_reference(q, k, v, ids, query_chunk=64)
+    torch.testing.assert_close(
+        sparse_gqa_attention_reference(q, k, v, permuted, query_chunk=5), whole
+    )
+
+
+def test_reference_repeated_ids_count_once():
+    q, k, v, gen = _inputs(1, 5, 2, 1, 8, 12, torch.float64)
+    ids = torch.tensor(
+        [[[0, 3, 7, -1], [5, 5, 5, 2], [1, 1, -1, -1], [4, 9, 4, 9], [11, 0, 11, 0]]]
+    )
+    collapsed = torch.tensor(
+        [[[0, 3, 7, -1], [5, 2, -1, -1], [1, -1, -1, -1], [4, 9, -1, -1], [11, 0, -1, -1]]]
+    )
+    torch.testing.assert_close(
+        sparse_gqa_attention_reference(q, k, v, ids),
+        sparse_gqa_attention_reference(q, k, v, collapsed),
+    )
+    assert route_membership(ids, 12).sum(-1).tolist() == [[3, 2, 1, 2, 2]]
+
+
+def test_reference_gradcheck_float64_with_empty_row_and_repeats():
+    q, k, v, gen = _inputs(1, 6, 4, 2, 5, 9, torch.float64)
+    ids = _random_ids((1, 2, 6, 7), 9, gen, empty_rows=(4,))
+    fn = lambda q, k, v: sparse_gqa_attention_reference(
+        q, k, v, ids, softmax_scale=0.7, query_chunk=4
+    )
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_reference_empty_row_gives_zero_output_and_zero_gradients():
+    q, k, v, gen = _inputs(1, 4, 2, 1, 8, 10, torch.float32)
+    ids = _random_ids((1, 4, 6), 10, gen, empty_rows=(1,))
+    ids[0, 1, :3] = torch.tensor([10, 11, -5])  # out of range counts as padding
+    out = sparse_gqa_attention_reference(q, k, v, ids)
+    grad_q, grad_k = torch.autograd.grad(out[:, 1].sum() + 0 * out.sum(), (q, k))
+    assert out[:, 1].abs().max() == 0 and torch.isfinite(out).all()
+    assert grad_q.abs().max() == 0 and grad_k.abs().max() == 0
+
+
+# ---------------------------------------------------------------- canonical routes and block masks
+
+
+def test_canonical_routes_sort_once_and_turn_repeats_into_sentinels():
+    ids = torch.tensor([[[[5, -1, 2, 5, 9, 2], [-1, -1, -1, -1, -1, -1], [7, 0, 3, 11, 1, 0]]]])
+    routes, counts = canonical_routes(ids, 10)
+    assert routes.tolist() == [[[[2, 10, 5, 10, 9, 10], [10] * 6, [0, 10, 1, 3, 7, 10]]]]
+    assert counts.tolist() == [[[5, 0, 5]]]
+
+
+def test_canonical_routes_keep_rows_that_are_already_ascending():
+    ids = torch.tensor([[[[4, 6, 9, -1], [0, 1, -1, -1]], [[2, 3, 5, 8], [-1, -1, -1, -1]]]])
+    routes, counts = canonical_routes(ids, 9)  # 9 is out of range: padding, like −1
+    assert routes.tolist() == [[[[4, 6, 9, 9], [0, 1, 9, 9]], [[2, 3, 5, 8], [9, 9, 9, 9]]]]
+    assert counts.tolist() == [[[2, 2], [4, 0]]]
+
+
+def _flex_membership(mask: RouteBlockMask, batch: int) -> torch.Tensor:
+    """Dense membership the Flex BlockMask encodes: full tiles, plus partial tiles where mask_mod says so."""
+    flex = mask.flex
+    q_len, kv_len = flex.seq_lengths
+    heads = flex.kv_num_blocks.shape[1]
+
+    def tiles(num, idx):
+        q_tiles, kv_tiles = idx.shape[-2], idx.shape[-1]
+        dense = torch.zeros(batch, heads, q_tiles, kv_tiles + 1, dtype=torch.bool)
+        slot = torch.arange(kv_tiles)
+        live = slot < num.unsqueeze(-1)
+        dense.scatter_(-1, torch.where(live, idx.long(), kv_tiles), True)
+        dense = dense[..., :kv_tiles].repeat_interleave(128, -2).repeat_interleave(128, -1)
+        return dense[..., :q_len, :kv_len]
+
+    full = tiles(flex.full_kv_num_blocks, flex.full_kv_indices)
+    partial = tiles(flex.kv_num_blocks, flex.kv_indices)
+    mod = create_mask(flex.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    assert not (full & partial).any()
+    return full | (partial & mod), mod
+
+
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+@pytest.mark.parametrize(
+    ("queries", "kv_length", "kind"),
+    [
+        (300, 300, "clustered"),
+        (257, 385, "clustered"),
+        (200, 333, "scattered"),
+        (129, 129, "random"),
+    ],
+    ids=["clustered-Q300-S300", "clustered-Q257-S385-tail", "scattered-Q200-S333", "random-Q129"],
+)
+def test_route_block_mask_membership_matches_oracle_mask(queries, kv_length, kind, per_group):
+    batch, kv_heads, query_heads = 2, 2, 4
+    route_heads = kv_heads if per_group else 1
+    gen = torch.Generator().manual_seed(3)
+    if kind == "clustered":
+        ids = clustered_routes(
+            batch, route_heads, queries, kv_length, tiles_per_query=2, generator=gen
+        )
+    elif kind == "scattered":
+        ids = scattered_routes(
+            batch, route_heads, queries, kv_length, block=4, blocks_per_query=9, generator=gen
+        )
+    else:
+        ids = _random_ids((batch, route_heads, queries, 40), kv_length, gen)
+    ids = ids if per_group else ids[:, 0]
+    mask = build_route_block_mask(ids, kv_length, query_heads)
+    membership, mod = _flex_membership(mask, batch)
+    oracle = dense_route_mask(ids, kv_length, query_heads if per_group else 1)
+    assert torch.equal(membership, oracle)
+    assert torch.equal(mod, oracle)  # mask_mod alone is exact, also inside full tiles
+    if kind == "clustered" and queries % 128 == 0:
+        assert mask.flex.full_kv_num_blocks.sum() > 0  # block-aligned runs become full tiles
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+def test_eager_flex_over_route_block_mask_matches_oracle(per_group):
+    """The Flex call path (layout, GQA, BlockMask) with torch's eager flex_attention on CPU
+    (forward only: Flex has no CPU backward; the gpu tests check gradients)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from sa_kernels.sparse_gqa import _flex
+
+    q, k, v, gen = _inputs(1, 200, 4, 2, 16, 261, torch.float32)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    route_heads = 2 if per_group else 1
+    ids = scattered_routes(1, route_heads, 200, 261, block=4, blocks_per_query=40, generator=gen)
+    ids[..., :128, :128] = torch.arange(
+        128, 256, dtype=torch.int32
+    )  # one full tile (routes need not be causal)
+    ids = ids if per_group else ids[:, 0]
+    mask = build_route_block_mask(ids, 261, 4)
+    out = _flex(flex_attention, q, k, v, mask, 0.3)
+    ref = sparse_gqa_attention_reference(q, k, v, ids, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert mask.flex.full_kv_num_blocks.sum() > 0 and mask.flex.kv_num_blocks.sum() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None, reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_flex_on_cpu_matches_oracle_and_new_routes_reuse_the_compiled_kernel():
+    """The mask_mod compiles through inductor; routes of one geometry never recompile it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from sa_kernels.sparse_gqa import _flex
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    for seed in range(2):
+        q, k, v, gen = _inputs(1, 300, 8, 2, 32, 300, torch.float32, seed=seed)
+        q, k, v = q.detach(), k.detach(), v.detach()
+        ids = scattered_routes(1, 2, 300, 300, block=4, blocks_per_query=40, generator=gen)
+        ids[..., :128, :128] = torch.arange(128, 256, dtype=torch.int32)  # a full tile
+        mask = build_route_block_mask(ids, 300, 8)
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = _flex(compiled, q, k, v, mask, 0.2)
+        ref = sparse_gqa_attention_reference(q, k, v, ids, 0.2)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_route_block_mask_occupancy_and_tile_counts():
+    ids = torch.full((1, 1, 256, 130), -1, dtype=torch.int32)
+    ids[0, 0, :128, :128] = torch.arange(128)  # query tile 0 x key tile 0: full
+    ids[0, 0, 128:, 0] = 200  # query tile 1 x key tile 1: 128 of 128·128 pairs
+    mask = build_route_block_mask(ids, 256, 2, build_flex=False)
+    pairs = tile_pair_counts(mask.routes, 256)
+    assert pairs[0, 0].tolist() == [[128 * 128, 0], [0, 128]]
+    assert mask.touched_tiles == 2
+    assert mask.occupancy == pytest.approx((128 * 128 + 128) / (2 * 128 * 128))
+    assert mask.flex is None
+    assert build_route_block_mask(ids, 256, 2, build_flex=None).flex is not None  # 0.5 >= threshold
+    scattered = torch.arange(256, dtype=torch.int32).view(1, 256, 1) * 0 + torch.arange(
+        0, 256, 16, dtype=torch.int32
+    )
+    assert build_route_block_mask(scattered, 256, 2, build_flex=None).flex is None  # occupancy 1/16
+
+
+def test_synthetic_routes_are_causal_and_sized():
+    gen = torch.Generator().manual_seed(0)
+    s = scattered_routes(1, 2, 50, 70, block=4, blocks_per_query=5, generator=gen)
+    pos = torch.arange(20, 70).view(1, 1, -1, 1)
+    assert s.shape == (1, 2, 50, 23) and ((s <= pos) | (s == -1)).all()
+    assert torch.equal(canonical_routes(s, 70)[0], torch.where(s >= 0, s, 70))  # already canonical
+    # Dense rows (at most 5 complete blocks visible) select exactly tokens 0 … p.
+    counts = canonical_routes(s, 70)[1]
+    visible = (pos.view(-1) + 1) // 4
+    expected = torch.where(visible <= 5, pos.view(-1) + 1, 20 + (pos.view(-1) + 1) % 4)
+    assert torch.equal(counts[0, 0].long(), expected)
+    c = clustered_routes(1, 1, 256, 384, tiles_per_query=2, generator=gen)
+    pos = torch.arange(128, 384).view(1, 1, -1, 1)
+    assert ((c <= pos) | (c == -1)).all()
+    assert (canonical_routes(c, 384)[1] == 128 + (pos.view(-1) % 128) + 1).all()
+
+
+# ---------------------------------------------------------------- the gather kernels (Triton interpreter)
+
+
+GATHER_CASES = [
+    pytest.param(2, 13, 6, 2, 24, 37, 11, True, id="B2-Q13-H6/2-D24-S37-W11-per-group"),
+    pytest.param(1, 9, 4, 1, 40, 70, 70, False, id="B1-Q9-H4/1-D40-S70-W70-shared"),
+    pytest.param(1, 6, 24, 2, 16, 21, 5, False, id="B1-Q6-H24/2-D16-S21-W5-G12"),
+    pytest.param(2, 5, 2, 2, 72, 19, 9, True, id="B2-Q5-H2/2-D72-S19-W9-G1"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("batch", "queries", "query_heads", "kv_heads", "head_dim", "kv_length", "width", "per_group"),
+    GATHER_CASES,
+)
+def test_gather_kernels_match_oracle_forward_and_backward(
+    batch, queries, query_heads, kv_heads, head_dim, kv_length, width, per_group, dtype
+):
+    q, k, v, gen = _inputs(
+        batch, queries, query_heads, kv_heads, head_dim, kv_length, dtype, seed=width
+    )
+    shape = (batch, kv_heads, queries, width) if per_group else (batch, queries, width)
+    ids = _random_ids(shape, kv_length, gen, empty_rows=(1,))
+    scale = 0.3 if per_group else None
+    out = sparse_gqa_attention(q, k, v, ids, scale, backend="gather")
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref = sparse_gqa_attention_reference(q.double(), k.double(), v.double(), ids, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad.double())
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(
+            got.double(), want.double(), **tol, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+    assert out[:, 1].abs().max() == 0 and grads[0][:, 1].abs().max() == 0
+
+
+def test_gather_forward_writes_every_output_element():
+    q, k, v, gen = _inputs(1, 11, 4, 2, 20, 17, torch.float32)
+    ids = _random_ids((1, 2, 11, 7), 17, gen, empty_rows=(3,))
+    mask = build_route_block_mask(ids, 17, 4, build_flex=False)
+    poisoned = torch.full_like(q, float("nan"))
+    out, lse = gather_attention_forward(
+        q.detach(), k.detach(), v.detach(), mask.routes, mask.counts, 0.5, out=poisoned
+    )
+    assert out.data_ptr() == poisoned.data_ptr() and not out.isnan().any()
+    torch.testing.assert_close(out, sparse_gqa_attention_reference(q, k, v, ids, 0.5).detach())
+    assert torch.isinf(lse[:, :, 3]).all() and torch.isfinite(lse[:, :, :3]).all()
+
+
+def test_gather_reuses_a_prebuilt_block_mask_and_ignores_duplicates():
+    q, k, v, gen = _inputs(1, 8, 4, 2, 16, 25, torch.float32)
+    ids = _random_ids((1, 8, 12), 25, gen)
+    mask = build_route_block_mask(ids, 25, 4, build_flex=False)
+    once = sparse_gqa_attention(q, k, v, ids, backend="gather", block_mask=mask)
+    doubled = torch.cat([ids, ids.flip(-1)], dim=-1)
+    twice = sparse_gqa_attention(q, k, v, doubled, backend="gather")
+    torch.testing.assert_close(once, twice)
+    torch.testing.assert_close(
+        once, sparse_gqa_attention_reference(q, k, v, ids), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_gather_accepts_strided_query_views():
+    base, k, v, gen = _inputs(1, 7, 8, 2, 16, 20, torch.float32)
+    q = base[:, :, ::2]  # heads stride 2·D: a view, like grouped QKV layouts
+    ids = _random_ids((1, 7, 6), 20, gen)
+    torch.testing.assert_close(
+        sparse_gqa_attention(q, k, v, ids, backend="gather"),
+        sparse_gqa_attention_reference(q, k, v, ids),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+# ---------------------------------------------------------------- dispatch and errors
+
+
+def test_auto_on_cpu_runs_the_reference():
+    q, k, v, gen = _inputs(1, 5, 2, 1, 8, 9, torch.float64)
+    ids = _random_ids((1, 5, 4), 9, gen)
+    torch.testing.assert_close(
+        sparse_gqa_attention(q, k, v, ids), sparse_gqa_attention_reference(q, k, v, ids)
+    )
+
+
+def test_cpu_backends_that_need_cuda_raise():
+    q, k, v, gen = _inputs(1, 4, 2, 1, 8, 9, torch.float32)
+    ids = _random_ids((1, 4, 3), 9, gen)
+    with pytest.raises(RuntimeError, match="backend='flex' needs CUDA"):
+        sparse_gqa_attention(q, k, v, ids, backend="flex")
+    with pytest.raises(RuntimeError, match="fa4"):
+        sparse_gqa_attention(q, k, v, ids, backend="fa4")
+
+
+def test_gather_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, gen = _inputs(1, 4, 2, 1, 8, 9, torch.float32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        sparse_gqa_attention(q, k, v, _random_ids((1, 4, 3), 9, gen), backend="gather")
+
+
+def _error_cases():
+    q = torch.randn(1, 4, 4, 8)
+    k = torch.randn(1, 9, 2, 8)
+    ids = torch.zeros(1, 4, 3, dtype=torch.int32)
+    return [
+        pytest.param(
+            (q, k, k, ids.float()), {}, TypeError, "token_ids must be int32", id="float-ids"
+        ),
+        pytest.param(
+            (q.bfloat16(), k, k, ids), {}, TypeError, "share one dtype", id="mixed-dtypes"
+        ),
+        pytest.param((q[0], k, k, ids), {}, ValueError, "query must be 4-D", id="query-3d"),
+        pytest.param((q, k[..., :4], k[..., :4], ids), {}, ValueError, "head_dim=8", id="head-dim"),
+        pytest.param(
+            (torch.randn(1, 4, 3, 8), k, k, ids), {}, ValueError, "multiple of kv heads", id="heads"
+        ),
+        pytest.param((q, k, k, ids[:, :3]), {}, ValueError, r"\[1, 4, W\]", id="ids-queries"),
+        pytest.param(
+            (q, k, k, ids.view(1, 1, 4, 3)), {}, ValueError, "kv_heads, queries", id="ids-groups"
+        ),
+        pytest.param(
+            (q, k, k, ids), {"backend": "cudnn"}, ValueError, "backend must be", id="backend"
+        ),
+        pytest.param(
+            (q.double(), k.double(), k.double(), ids),
+            {"backend": "gather"},
+            TypeError,
+            "float64",
+            id="gather-f64",
+        ),
+        pytest.param(
+            (q, k, k, ids), {"block_mask": ids}, TypeError, "RouteBlockMask", id="mask-type"
+        ),
+        pytest.param(
+            (q, k, k, ids),
+            {
+                "block_mask": build_route_block_mask(ids, 10, 4, build_flex=False),
+                "backend": "gather",
+            },
+            ValueError,
+            "block_mask was built for",
+            id="mask-for-other-kv-length",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "match"), _error_cases())
+def test_invalid_inputs_raise_naming_the_argument(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        sparse_gqa_attention(*args, **kwargs)
+
+
+def test_build_route_block_mask_errors():
+    ids = torch.zeros(1, 4, 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match="build_route_block_mask: token_ids must be an int32"):
+        build_route_block_mask(ids.float(), 8, 2)
+    with pytest.raises(ValueError, match="token_ids must be"):
+        build_route_block_mask(ids[0], 8, 2)
+    with pytest.raises(ValueError, match="multiple of the route heads"):
+        build_route_block_mask(ids.view(1, 2, 2, 3), 8, 3)
+    with pytest.raises(ValueError, match="kv_length must be >= 1"):
+        build_route_block_mask(ids, 0, 2)
+
+
+# ---------------------------------------------------------------- CUDA, real sizes
+
+
+def _relative_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+GPU_ROUTES = [
+    pytest.param("scattered", 64, 4, 128, True, id="scattered-H64/4-D128-per-group"),
+    pytest.param("clustered", 64, 4, 128, True, id="clustered-H64/4-D128-per-group"),
+    pytest.param("scattered", 24, 2, 256, False, id="scattered-H24/2-D256-shared"),
+    pytest.param("clustered", 24, 2, 256, False, id="clustered-H24/2-D256-shared"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "query_heads", "kv_heads", "head_dim", "per_group"), GPU_ROUTES)
+def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim, per_group):
+    """gather on every route kind; flex (one compile per geometry) on clustered routes; auto picks
+    flex for clustered (dense tiles) and gather for scattered routes."""
+    kv_length = queries = 8192
+    q, k, v, gen = _inputs(
+        1, queries, query_heads, kv_heads, head_dim, kv_length, torch.bfloat16, "cuda"
+    )
+    route_heads = kv_heads if per_group else 1
+    if kind == "scattered":
+        block = 8 if head_dim == 128 else 4
+        ids = scattered_routes(
+            1,
+            route_heads,
+            queries,
+            kv_length,
+            block=block,
+            blocks_per_query=2048 // block,
+            generator=gen,
+            device="cuda",
+        )
+    else:
+        ids = clustered_routes(
+            1, route_heads, queries, kv_length, tiles_per_query=16, generator=gen, device="cuda"
+        )
+    ids = ids if per_group else ids[:, 0]
+    mask = build_route_block_mask(ids, kv_length, query_heads)
+    grad = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = sparse_gqa_attention_reference(qf, kf, vf, ids, query_chunk=512)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+    backends = ["gather", "flex"] if kind == "clustered" else ["gather"]
+    results = {}
+    for backend in backends:
+        out = sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        assert torch.isfinite(out).all(), backend
+        assert _relative_error(out, ref) < 1e-2, backend
+        for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+            assert _relative_error(got, want) < 2e-2, f"{backend} d{name}"
+        results[backend] = out
+    auto = sparse_gqa_attention(q, k, v, ids, block_mask=mask)
+    expected = "flex" if kind == "clustered" else "gather"
+    assert (mask.occupancy > 0.9) if kind == "clustered" else (mask.occupancy < 0.5)
+    torch.testing.assert_close(auto, results[expected], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gather", "flex"])
+def test_cuda_empty_rows_give_zero_output_and_gradients(backend):
+    q, k, v, gen = _inputs(1, 300, 8, 2, 64, 500, torch.bfloat16, "cuda")
+    ids = _random_ids((1, 2, 300, 33), 500, gen, device="cuda", empty_rows=(0, 7, 299))
+    out = sparse_gqa_attention(q, k, v, ids, backend=backend)
+    dq, dk = torch.autograd.grad(out.float().square().sum(), (q, k))
+    assert out[:, [0, 7, 299]].abs().max() == 0 and dq[:, [0, 7, 299]].abs().max() == 0
+    assert torch.isfinite(out).all() and torch.isfinite(dk).all()
+    ref = sparse_gqa_attention_reference(q.float(), k.float(), v.float(), ids)
+    assert _relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_gather_is_exact_to_fp32_rounding():
+    q, k, v, gen = _inputs(2, 257, 12, 3, 96, 700, torch.float32, "cuda")
+    ids = _random_ids((2, 257, 100), 700, gen, device="cuda")
+    out = sparse_gqa_attention(q, k, v, ids, backend="gather", softmax_scale=1 / math.sqrt(50))
+    ref = sparse_gqa_attention_reference(q.double(), k.double(), v.double(), ids, 1 / math.sqrt(50))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,181 @@
+"""The sparse MLA oracle: plain PyTorch, FP32 math (FP64 for FP64 inputs), autograd through the sink.
+
+Each query attends over the latent rows its top-k slots name. A slot is valid when its id is in
+`[0, keys)` and the slot lies before the query's `topk_length` (clamped to `[0, width]`). A duplicate
+id counts once per slot, as FlashMLA and cuDNN count it. Keys are the full latent rows, values their
+first 512 dims. With a sink, the softmax denominator gains `exp(attn_sink[h])` (the sink has no value).
+A query with no valid slot outputs zeros and receives zero gradients, whatever its sink.
+
+Queries run in chunks so the gathered FP32 keys stay within a fixed budget; under autograd each chunk
+is checkpointed, so the memory held for backward is one chunk's worth too.
+"""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from sa_mla.validation import VALUE_DIM, check_sparse_mla_arguments
+
+CHUNK_BYTES = 256 * 2**20
+
+
+def valid_slots(
+    topk_indices: torch.Tensor, keys: int, topk_length: torch.Tensor | None
+) -> torch.Tensor:
+    """bool [tokens, width]: the slots that name a key (id in `[0, keys)`, slot before `topk_length`)."""
+    valid = (topk_indices >= 0) & (topk_indices < keys)
+    if topk_length is not None:
+        slots = torch.arange(topk_indices.shape[-1], device=topk_indices.device)
+        valid &= slots < topk_length.clamp(min=0)[:, None]
+    return valid
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    attn_sink: torch.Tensor | None,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [C, H, D], kv [keys, D], ids/valid [C, W] -> (out [C, H, 512], lse [C, H]) in q's (compute) dtype."""
+    keys = kv[ids.clamp(0, kv.shape[0] - 1)]  # [C, W, D]
+    scores = torch.einsum("chd,cwd->chw", q, keys) * softmax_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    nonempty = valid.any(dim=-1)[:, None]  # [C, 1]
+    row_max = scores.amax(dim=-1).where(nonempty, 0.0).detach()  # [C, H]
+    weights = torch.exp(scores - row_max[..., None])  # exactly 0 on invalid slots
+    kv_sum = weights.sum(dim=-1)
+    denominator = kv_sum
+    if attn_sink is not None:
+        denominator = denominator + torch.exp(attn_sink[None, :] - row_max)
+    denominator = denominator.where(nonempty, 1.0)
+    out = torch.einsum("chw,cwd->chd", weights, keys[..., :VALUE_DIM]) / denominator[..., None]
+    lse = (row_max + torch.log(kv_sum.where(nonempty, 1.0))).where(nonempty, float("inf"))
+    return out, lse
+
+
+def sparse_mla_reference_with_lse(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle without validation, also returning lse [T, H] (natural log, sink excluded, +inf when empty).
+
+    Output in q's dtype; lse in the compute dtype (FP32, or FP64 for FP64 inputs).
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tokens, heads, head_dim = q.shape
+    kv = kv_latent[:, 0].to(compute)
+    ids = topk_indices[:, 0].long()
+    valid = valid_slots(ids, kv.shape[0], topk_length)
+    sink = attn_sink.to(compute) if attn_sink is not None else None
+    width = ids.shape[-1]
+    per_row = width * (head_dim + 2 * heads) * torch.finfo(compute).bits // 8
+    chunk = max(1, chunk_bytes // max(per_row, 1))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, kv_latent, attn_sink)
+    )
+    outs, lses = [], []
+    for start in range(0, tokens, chunk):
+        stop = min(tokens, start + chunk)
+        args = (
+            q[start:stop].to(compute),
+            kv,
+            ids[start:stop],
+            valid[start:stop],
+            sink,
+            float(softmax_scale),
+        )
+        if needs_grad and tokens > chunk:
+            out, lse = checkpoint(_attend_chunk, *args, use_reentrant=False)
+        else:
+            out, lse = _attend_chunk(*args)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs) if outs else q.new_zeros(0, heads, VALUE_DIM, dtype=compute)
+    lse = torch.cat(lses) if lses else q.new_zeros(0, heads, dtype=compute)
+    return out.to(q.dtype), lse
+
+
+def sparse_mla_reference(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    all_rows_nonempty: bool = False,
+    valid_row_indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse latent attention, the PyTorch oracle (CPU or GPU; differentiable in q, kv_latent, attn_sink).
+
+    Args:
+        q: [tokens, heads, 512 | 576] bf16, fp32 or fp64.
+        kv_latent: [keys, 1, head_dim], q's dtype. Keys are whole rows, values their first 512 dims.
+        topk_indices: [tokens, 1, width] int32/int64. Ids outside `[0, keys)` (e.g. -1) are ignored;
+            a duplicate id counts once per slot.
+        softmax_scale: > 0, multiplies q·k.
+        topk_length: optional [tokens] int; slots at or past it are ignored (clamped to `[0, width]`).
+        all_rows_nonempty: the caller's promise that every row has a valid id (a hint; unused here).
+        valid_row_indices: optional [rows] int, the rows that have a valid id (a hint; unused here).
+        attn_sink: optional [heads] fp32 logits added to each head's softmax denominator.
+    Returns:
+        [tokens, heads, 512] in q's dtype; rows with no valid id are zero.
+    Raises:
+        TypeError: a dtype or the scale's type is wrong.
+        ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
+            arguments contradict each other.
+    """
+    check_sparse_mla_arguments(
+        "sparse_mla_reference",
+        q,
+        kv_latent,
+        topk_indices,
+        softmax_scale,
+        topk_length,
+        all_rows_nonempty,
+        valid_row_indices,
+        attn_sink,
+        allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+    )
+    out, _ = sparse_mla_reference_with_lse(
+        q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink
+    )
+    return out
+
+
+def dense_masked_reference(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A second, independent formulation for tests: dense FP64 attention over all keys with slot multiplicity.
+
+    Each key's weight is multiplied by how many valid slots name it, then a plain softmax (plus the sink
+    column) runs over every key. Differentiable; memory O(tokens * heads * keys), so small inputs only.
+    """
+    q64 = q.double()
+    kv = kv_latent[:, 0].double()
+    keys = kv.shape[0]
+    ids = topk_indices[:, 0].long()
+    valid = valid_slots(ids, keys, topk_length)
+    counts = torch.zeros(q.shape[0], keys + 1, dtype=torch.float64, device=q.device)
+    counts.scatter_add_(1, torch.where(valid, ids, keys), valid.double())
+    counts = counts[:, :keys]  # [T, keys]
+    scores = torch.einsum("thd,kd->thk", q64, kv) * softmax_scale
+    scores = scores + torch.log(counts)[:, None, :]  # log 0 = -inf masks unnamed keys
+    if attn_sink is not None:
+        sink = attn_sink.double()[None, :, None].expand(q.shape[0], -1, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    nonempty = valid.any(dim=-1)
+    safe = torch.where(nonempty[:, None, None], scores, torch.zeros_like(scores))
+    probs = torch.softmax(safe, dim=-1)[..., :keys]
+    out = torch.einsum("thk,kd->thd", probs, kv[:, :VALUE_DIM])
+    return out * nonempty[:, None, None]

@@ -1,0 +1,106 @@
+"""The portable sparse MLA path: Triton forward and backward on any SM80+ GPU (or Triton's interpreter on CPU)."""
+
+import torch
+
+from sa_kernels._backend import resolve_backend
+from sa_mla.triton.kernels import sparse_mla_backward, sparse_mla_delta, sparse_mla_forward
+from sa_mla.validation import check_sparse_mla_arguments
+
+
+def lse_with_sink(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
+    """Natural-log lse [T, H] of the keys and the sink together (+inf stays +inf for empty rows)."""
+    if attn_sink is None:
+        return lse
+    return torch.logaddexp(lse, attn_sink.float()[None, :])
+
+
+def sink_gradient(attn_sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d_sink [H] = -sum_q sigmoid(sink - lse) * delta, with delta = sum_d dO * O and lse the keys' lse.
+
+    Rows with no valid id have lse = +inf and add nothing.
+    """
+    weight = torch.sigmoid(attn_sink.float()[None, :] - lse)
+    weight = torch.where(torch.isinf(lse) & (lse > 0), 0.0, weight)
+    return -(weight * delta).sum(dim=0).to(attn_sink.dtype)
+
+
+class _SparseMlaTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv_latent, ids, softmax_scale, topk_length, attn_sink):
+        kv = kv_latent[:, 0].contiguous()
+        out, lse = sparse_mla_forward(q, kv, ids, softmax_scale, topk_length, attn_sink)
+        ctx.save_for_backward(q, kv, ids, topk_length, attn_sink, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.kv_shape = kv_latent.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, ids, topk_length, attn_sink, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        delta = sparse_mla_delta(out, dout)
+        lse_total = lse_with_sink(lse, attn_sink)
+        dq, dkv = sparse_mla_backward(
+            q, kv, ids, ctx.softmax_scale, topk_length, dout, lse_total, delta
+        )
+        d_sink = (
+            sink_gradient(attn_sink, lse, delta)
+            if attn_sink is not None and ctx.needs_input_grad[5]
+            else None
+        )
+        dkv = dkv.to(q.dtype).view(ctx.kv_shape)
+        return dq, dkv, None, None, None, d_sink
+
+
+def sparse_mla_triton(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    all_rows_nonempty: bool = False,
+    valid_row_indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse latent attention through the portable Triton kernels (forward and backward).
+
+    Runs on CUDA tensors (any SM80+ GPU, any head count and top-k width), or on CPU tensors through
+    Triton's interpreter when `TRITON_INTERPRET=1`. Same function as `sparse_mla_reference`.
+
+    Args:
+        q: [tokens, heads, 512 | 576] bf16 (fp32 also accepted; its dots may run in TF32 on GPU).
+        kv_latent: [keys, 1, head_dim], q's dtype. Keys are whole rows, values their first 512 dims.
+        topk_indices: [tokens, 1, width] int32/int64. Ids outside `[0, keys)` (e.g. -1) are ignored;
+            a duplicate id counts once per slot.
+        softmax_scale: > 0, multiplies q·k.
+        topk_length: optional [tokens] int; slots at or past it are ignored (clamped to `[0, width]`).
+        all_rows_nonempty, valid_row_indices: hints for the cuDNN path, validated and otherwise unused.
+        attn_sink: optional [heads] fp32 logits added to each head's softmax denominator.
+    Returns:
+        [tokens, heads, 512] in q's dtype; rows with no valid id are zero and get zero gradients.
+    Raises:
+        RuntimeError: CPU tensors without `TRITON_INTERPRET=1`, or Triton is not installed.
+        TypeError: a dtype or the scale's type is wrong.
+        ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
+            arguments contradict each other.
+    """
+    fn = "sparse_mla_triton"
+    check_sparse_mla_arguments(
+        fn,
+        q,
+        kv_latent,
+        topk_indices,
+        softmax_scale,
+        topk_length,
+        all_rows_nonempty,
+        valid_row_indices,
+        attn_sink,
+        allowed_dtypes=(torch.bfloat16, torch.float32),
+    )
+    resolve_backend(fn, "triton", q, kv_latent, topk_indices)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    ids = topk_indices[:, 0].to(torch.int32).contiguous()
+    lengths = topk_length.to(torch.int32).contiguous() if topk_length is not None else None
+    sink = attn_sink.contiguous() if attn_sink is not None else None
+    return _SparseMlaTriton.apply(q, kv_latent, ids, float(softmax_scale), lengths, sink)

@@ -1,0 +1,20 @@
+"""QSA: the Qwen-style compressed-block indexer and its token route selection (SEMANTICS §2, §5)."""
+
+from .config import QSAIndexerConfig
+from .context_parallel import QSAContextParallel
+from .indexer import QSAIndexer, QSARMSNorm, Qwen3_8_FlashNextQSAIndexer
+from .lengths import packed_block_starts, right_padded_sequence_lengths
+from .rope import apply_qsa_rope
+from .selection import select_qsa_token_ids
+
+__all__ = [
+    "QSAContextParallel",
+    "QSAIndexer",
+    "QSAIndexerConfig",
+    "QSARMSNorm",
+    "Qwen3_8_FlashNextQSAIndexer",
+    "apply_qsa_rope",
+    "packed_block_starts",
+    "right_padded_sequence_lengths",
+    "select_qsa_token_ids",
+]

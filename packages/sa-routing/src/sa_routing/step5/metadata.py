@@ -1,0 +1,365 @@
+"""`region_metadata`: documents, regions, dense selections and score tiles, once per forward.
+
+Every tensor is derived on the device with cumulative sums and scatters; everything the host must
+know (region count, tile bounds, varlen segment counts, validation flags) comes back in a single
+`tolist()` — the one host synchronisation of the forward.
+"""
+
+import math
+
+import torch
+
+from .layouts import CausalDocumentLayout, RegionMetadata, ScoreTile, SummaryRange
+
+MAX_TILE_QUERIES = 128
+
+
+def region_metadata(
+    key_positions: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    query_start: int,
+    queries: int,
+    region_size: int,
+    topk: int,
+    window: int | None = None,
+    *,
+    require_varlen_layout: bool = False,
+    tile_size: int = MAX_TILE_QUERIES,
+) -> RegionMetadata:
+    """Build the Step-5 routing metadata of one forward (SEMANTICS §1.3).
+
+    A document starts wherever a valid token's position is 0; positions of valid tokens must count
+    up by one within a document (padding tokens in between are skipped). Regions are runs of
+    `region_size` document-local positions, restarting at every document start.
+
+    Args:
+        key_positions: int64 [batch, global_length], document-local position of every key token
+            (the whole sequence, also on a context-parallel shard).
+        key_padding: bool [batch, global_length], True for padding tokens; or None (no padding).
+        query_start: global row of this shard's first query (0 without context parallelism).
+        queries: number of local queries; global rows `[query_start, query_start + queries)`.
+        region_size: tokens per region, >= 1.
+        topk: historical regions kept per sparse query, >= 1.
+        window: sliding window for `window_layout` (key k visible to q iff `0 <= q - k < window`), or None.
+        require_varlen_layout: raise instead of returning `causal_layout=None` when padding is not
+            a right-padded tail of every row.
+        tile_size: queries per score tile, in [1, 128].
+    Returns:
+        `RegionMetadata`.
+    Raises:
+        TypeError: `key_positions` is not an int64 tensor, `key_padding` not a bool tensor.
+        ValueError: ranks or shapes disagree; `query_start`/`queries` outside the global length;
+            `region_size`, `topk`, `window` or `tile_size` out of range; a valid position is negative
+            or does not continue its document (a document must start at position 0); padding
+            precedes a valid token while `require_varlen_layout` is set.
+    """
+    fn = "region_metadata"
+    if not isinstance(key_positions, torch.Tensor) or key_positions.dtype != torch.int64:
+        got = (
+            key_positions.dtype
+            if isinstance(key_positions, torch.Tensor)
+            else type(key_positions).__name__
+        )
+        raise TypeError(f"{fn}: key_positions must be an int64 tensor; got {got}")
+    if key_positions.dim() != 2:
+        raise ValueError(
+            f"{fn}: key_positions must be [batch, global_length]; got shape {tuple(key_positions.shape)}"
+        )
+    batch, length = key_positions.shape
+    if key_padding is not None:
+        if not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool:
+            got = (
+                key_padding.dtype
+                if isinstance(key_padding, torch.Tensor)
+                else type(key_padding).__name__
+            )
+            raise TypeError(f"{fn}: key_padding must be a bool tensor or None; got {got}")
+        if key_padding.shape != key_positions.shape:
+            raise ValueError(
+                f"{fn}: key_padding must have key_positions' shape {tuple(key_positions.shape)}; "
+                f"got {tuple(key_padding.shape)}"
+            )
+        if key_padding.device != key_positions.device:
+            raise ValueError(
+                f"{fn}: key_padding must be on key_positions' device {key_positions.device}; got {key_padding.device}"
+            )
+    for name, value, low in (
+        ("region_size", region_size, 1),
+        ("topk", topk, 1),
+        ("queries", queries, 1),
+        ("query_start", query_start, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{fn}: {name} must be an int >= {low}; got {value!r}")
+    if query_start + queries > length:
+        raise ValueError(
+            f"{fn}: query_start + queries must be <= the global length {length}; "
+            f"got {query_start} + {queries} = {query_start + queries}"
+        )
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"{fn}: window must be None or an int >= 1; got {window!r}")
+    if (
+        isinstance(tile_size, bool)
+        or not isinstance(tile_size, int)
+        or not 1 <= tile_size <= MAX_TILE_QUERIES
+    ):
+        raise ValueError(
+            f"{fn}: tile_size must be an int in [1, {MAX_TILE_QUERIES}]; got {tile_size!r}"
+        )
+
+    device = key_positions.device
+    pos = key_positions
+    valid = torch.ones_like(pos, dtype=torch.bool) if key_padding is None else ~key_padding
+    token_index = torch.arange(length, device=device).expand(batch, length)
+
+    # Documents and regions of every key token.
+    last_valid = torch.cummax(torch.where(valid, token_index, -1), dim=1).values
+    previous_valid = torch.nn.functional.pad(last_valid[:, :-1], (1, 0), value=-1)
+    previous_pos = torch.where(previous_valid >= 0, pos.gather(1, previous_valid.clamp(min=0)), -1)
+    negative = valid & (pos < 0)
+    discontinuous = valid & (pos != 0) & (pos != previous_pos + 1)
+    padding_so_far = torch.cumsum(~valid, dim=1)
+    padded_before = (padding_so_far - (~valid).to(padding_so_far.dtype)) > 0
+    left_padding = valid & padded_before
+
+    region_local = torch.div(pos, region_size, rounding_mode="floor")
+    documents = torch.where(valid, torch.cumsum(valid & (pos == 0), dim=1) - 1, -1)
+    region_start = valid & (pos % region_size == 0)
+    token_regions = torch.where(valid, torch.cumsum(region_start, dim=1) - 1, -1)
+    regions_per_row = region_start.sum(dim=1)
+
+    # Queries of this shard.
+    rows = slice(query_start, query_start + queries)
+    query_valid = valid[:, rows]
+    current = token_regions[:, rows]
+    query_documents = documents[:, rows]
+    history = torch.where(query_valid, region_local[:, rows], -1)
+    query_first_region = torch.where(query_valid, current - history, -1)
+    sparse = query_valid & (history > topk)
+
+    # Score tiles: per (batch, chunk of tile_size queries) the sparse rows and their region interval.
+    chunks = math.ceil(queries / tile_size)
+    pad = chunks * tile_size - queries
+    local = torch.arange(queries, device=device).expand(batch, queries)
+    big = 2**62  # exact as a double (F.pad takes its fill value as one)
+
+    def chunk_reduce(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
+        padded = torch.nn.functional.pad(torch.where(sparse, values, fill), (0, pad), value=fill)
+        shaped = padded.view(batch, chunks, tile_size)
+        return shaped.amin(dim=2) if reduce == "min" else shaped.amax(dim=2)
+
+    tile_info = torch.stack(
+        [
+            chunk_reduce(local, big, "min"),
+            chunk_reduce(local, -1, "max"),
+            chunk_reduce(query_first_region, big, "min"),
+            chunk_reduce(current, -1, "max"),
+        ]
+    )
+
+    segments = _varlen_segments(pos, valid, query_start, queries, window)
+
+    flags = torch.stack(
+        [
+            negative.any(),
+            discontinuous.any(),
+            left_padding.any(),
+            query_valid.any(),
+            regions_per_row.max(),
+        ]
+    ).to(torch.int64)
+    host = torch.cat([flags, segments["host"], tile_info.flatten()]).tolist()  # the one host sync
+    has_negative, has_discontinuity, has_left_padding, any_valid_query, region_count = host[:5]
+    segment_count, max_seqlen_q, max_seqlen_k, max_seqlen_window = host[5:9]
+    tile_host = host[9:]
+
+    if has_negative:
+        raise ValueError(
+            f"{fn}: key_positions of valid tokens must be >= 0; got a negative position"
+        )
+    if has_discontinuity:
+        raise ValueError(
+            f"{fn}: key_positions must start every document at 0 and count up by one within it "
+            "(padding tokens excluded); got a valid token whose position is neither 0 nor its predecessor's + 1"
+        )
+    if has_left_padding and require_varlen_layout:
+        raise ValueError(
+            f"{fn}: key_padding must be a right-padded tail of every row (require_varlen_layout=True); "
+            "got padding before a valid token"
+        )
+
+    # Per-region tensors (shapes known now; no further synchronisation).
+    count = region_count
+    slots = min(topk, count) + 1
+    scatter_at = torch.where(region_start, token_regions, count)
+    region_documents = _scatter_rows(scatter_at, documents, count, fill=-1)
+    region_first = _scatter_rows(scatter_at, token_regions - region_local, count, fill=-1)
+    source_at = torch.where(
+        valid, token_regions * region_size + pos % region_size, count * region_size
+    )
+    region_sources = _scatter_rows(source_at, token_index, count * region_size, fill=-1).to(
+        torch.int32
+    )
+    region_sources = region_sources.view(batch, count, region_size)
+
+    # [B, Q, slots] in int32 from the start: two broadcast passes, no int64 temporaries.
+    offsets = torch.arange(slots, dtype=torch.int32, device=device)
+    last_offset = torch.where(query_valid & ~sparse, history, -1).to(torch.int32).unsqueeze(-1)
+    first = query_first_region.to(torch.int32).unsqueeze(-1)
+    dense_region_ids = torch.where(offsets <= last_offset, first + offsets, count)
+
+    score_tiles = _score_tiles(tile_host, batch, chunks)
+    causal_layout = window_layout = None
+    if not any_valid_query:
+        causal_layout = window_layout = _singleton_layout(device, query_start)
+    elif not has_left_padding:
+        causal_layout = _layout(segments, segment_count, max_seqlen_q, max_seqlen_k, "key_start")
+        if window is not None:
+            window_layout = _layout(
+                segments, segment_count, max_seqlen_q, max_seqlen_window, "window_start"
+            )
+
+    return RegionMetadata(
+        region_size=region_size,
+        topk=topk,
+        query_start=query_start,
+        queries=queries,
+        global_length=length,
+        window=window,
+        region_count=count,
+        token_regions=token_regions,
+        documents=documents,
+        region_documents=region_documents,
+        region_first=region_first,
+        query_padding=~query_valid,
+        query_documents=query_documents,
+        current=current,
+        query_first_region=query_first_region,
+        dense_region_ids=dense_region_ids,
+        sparse_queries=sparse,
+        score_tiles=score_tiles,
+        summary_ranges=merge_summary_ranges(score_tiles),
+        region_sources=region_sources,
+        region_source_valid=region_sources >= 0,
+        causal_layout=causal_layout,
+        window_layout=window_layout,
+        all_padding_key=not any_valid_query,
+    )
+
+
+def merge_summary_ranges(tiles: tuple[ScoreTile, ...]) -> tuple[SummaryRange, ...]:
+    """Merge the region intervals of `tiles` per batch row into sorted, disjoint, non-adjacent ranges."""
+    merged: list[list[int]] = []
+    for b, _, _, first, past in sorted((t[0], 0, 0, t[3], t[4]) for t in tiles):
+        if merged and merged[-1][0] == b and first <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], past)
+        else:
+            merged.append([b, first, past])
+    return tuple((b, first, past) for b, first, past in merged)
+
+
+def _scatter_rows(index: torch.Tensor, values: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """`out[b, index[b, t]] = values[b, t]` into `[batch, width]`; index `width` is a discarded dump slot."""
+    out = torch.full((index.shape[0], width + 1), fill, dtype=values.dtype, device=values.device)
+    return out.scatter_(1, index, values)[:, :width]
+
+
+def _score_tiles(host: list[int], batch: int, chunks: int) -> tuple[ScoreTile, ...]:
+    n = batch * chunks
+    first_q, last_q, first_region, past_region = (host[i * n : (i + 1) * n] for i in range(4))
+    tiles = []
+    for i in range(n):
+        if last_q[i] >= 0:
+            tiles.append((i // chunks, first_q[i], last_q[i] + 1, first_region[i], past_region[i]))
+    return tuple(tiles)
+
+
+def _varlen_segments(
+    pos: torch.Tensor, valid: torch.Tensor, query_start: int, queries: int, window: int | None
+) -> dict[str, torch.Tensor]:
+    """Per (batch row, document) segment of this shard's valid queries, in buffers of B*Q + 1 rows."""
+    batch, length = pos.shape
+    device = pos.device
+    rows = slice(query_start, query_start + queries)
+    q_valid = valid[:, rows].reshape(-1)
+    q_pos = pos[:, rows]
+    q_global = torch.arange(query_start, query_start + queries, device=device).expand(
+        batch, queries
+    )
+    row_offset = (torch.arange(batch, device=device) * length).unsqueeze(1)
+    flat_global = (row_offset + q_global).reshape(-1)
+    doc_start = (row_offset + q_global - q_pos).reshape(-1)
+    total = batch * queries
+    flat = torch.arange(total, device=device)
+    row_begin = flat % queries == 0
+    row_end = flat % queries == queries - 1
+    prev_valid = torch.nn.functional.pad(q_valid[:-1], (1, 0), value=False)
+    next_valid = torch.nn.functional.pad(q_valid[1:], (0, 1), value=False)
+    starts = q_valid & (row_begin | ~prev_valid | (q_pos.reshape(-1) == 0))
+    next_start = torch.nn.functional.pad(starts[1:], (0, 1), value=True)
+    ends = q_valid & (row_end | ~next_valid | next_start)
+    segment = torch.cumsum(starts, dim=0) - 1
+    dump = total
+
+    def at(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(total + 1, dtype=torch.int64, device=device)
+        return out.scatter_(0, torch.where(mask, segment, dump), values)[:total]
+
+    query_begin = at(starts, flat)
+    query_stop = at(ends, flat + 1)
+    key_start = at(starts, doc_start)
+    key_stop = at(ends, flat_global + 1)
+    first_global = at(starts, flat_global)
+    window_start = (
+        key_start if window is None else torch.maximum(key_start, first_global - (window - 1))
+    )
+    key_len = torch.where(key_stop > 0, key_stop - key_start, 0)
+    window_len = torch.where(key_stop > 0, key_stop - window_start, 0)
+    host = torch.stack(
+        [starts.sum(), (query_stop - query_begin).max(), key_len.max(), window_len.max()]
+    ).to(torch.int64)
+    return {
+        "host": host,
+        "query_start": query_begin,
+        "query_stop": query_stop,
+        "key_start": key_start,
+        "window_start": window_start,
+        "key_stop": key_stop,
+    }
+
+
+def _layout(
+    segments: dict[str, torch.Tensor], count: int, max_q: int, max_k: int, start_key: str
+) -> CausalDocumentLayout:
+    q0, q1 = segments["query_start"][:count], segments["query_stop"][:count]
+    k0, k1 = segments[start_key][:count], segments["key_stop"][:count]
+    zero = torch.zeros(1, dtype=torch.int32, device=q0.device)
+    return CausalDocumentLayout(
+        cu_seqlens_q=torch.cat([zero, torch.cumsum(q1 - q0, 0).to(torch.int32)]),
+        cu_seqlens_k=torch.cat([zero, torch.cumsum(k1 - k0, 0).to(torch.int32)]),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        query_start=q0,
+        query_stop=q1,
+        key_start=k0,
+        key_stop=k1,
+    )
+
+
+def _singleton_layout(device: torch.device, query_start: int) -> CausalDocumentLayout:
+    def t(value: int) -> torch.Tensor:
+        return torch.full((1,), value, dtype=torch.int64, device=device)
+
+    cu_seqlens = torch.arange(2, dtype=torch.int32, device=device)
+    return CausalDocumentLayout(
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens.clone(),
+        max_seqlen_q=1,
+        max_seqlen_k=1,
+        query_start=t(0),
+        query_stop=t(1),
+        key_start=t(query_start),
+        key_stop=t(query_start + 1),
+    )

@@ -1,0 +1,243 @@
+"""Fast region selection: walk the score tiles, score with `indexer_score_tile`, keep a running top-k.
+
+`torch.topk` orders ties arbitrarily, so ties are made explicit: every top-k call here sees keys
+whose winners are distinct, and the selected set is exactly (score descending, region id ascending).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from sa_kernels import indexer_score_tile
+
+from .layouts import RegionMetadata, ScoreTile
+
+_LOW = 2**32
+_ID_FLIP = 2**31 - 1
+_MASKED = torch.iinfo(torch.int64).min
+_TIE_BASE = 2**30
+_INT32_MAX = torch.iinfo(torch.int32).max
+_INT32_MIN = torch.iinfo(torch.int32).min
+METHODS = ("threshold", "composite")
+
+
+def select_regions(
+    query: torch.Tensor,
+    weights: torch.Tensor,
+    summary: torch.Tensor,
+    metadata: RegionMetadata,
+    *,
+    region_chunk: int = 16384,
+    score_budget_bytes: int = 2**30,
+    method: str = "threshold",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Region ids of every (batch, provider group, query): int32 [B, G, Q, topk + 1], ascending.
+
+    Dense queries take `metadata.dense_region_ids`; sparse queries keep their `topk` best candidates
+    (same document, before their own region) by (score descending, id ascending) plus their current
+    region; padding queries select nothing. Unused slots hold `metadata.region_count`.
+
+    Args:
+        query: [B, Q, G, H, D] BF16, E4M3-rounded indexer queries of the shard's queries.
+        weights: [B, Q, G, H] FP32 signed head weights.
+        summary: [B, N, D] BF16 E4M3-rounded summaries, N = `metadata.region_count`; only the rows in
+            `metadata.summary_ranges` are read.
+        metadata: `region_metadata(...)` of this forward and shard.
+        region_chunk: regions scored per call; with `score_budget_bytes` it bounds the temporaries.
+        score_budget_bytes: adjacent tiles of one batch row are scored in one call while their FP32
+            scores and int64 keys fit in this many bytes (results do not depend on it).
+        method: how ties are made deterministic (both give the same ids): "threshold" (a float top-k
+            for the k-th score, then an int32 top-k over ids among the ties) or "composite" (one int64
+            top-k over `(order-preserving score bits << 32) | (2**31 - 1 - id)`).
+        backend: `indexer_score_tile`'s backend.
+    Raises:
+        ValueError: shapes disagree with each other or with `metadata`; unknown `method`;
+            `region_chunk < 1`.
+    """
+    _check(query, weights, summary, metadata)
+
+    def tile_inputs(b: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return query[b : b + 1, q0:q1], weights[b : b + 1, q0:q1]
+
+    return select_regions_tiled(
+        tile_inputs,
+        query.shape[2],
+        summary,
+        metadata,
+        region_chunk=region_chunk,
+        score_budget_bytes=score_budget_bytes,
+        method=method,
+        backend=backend,
+    )
+
+
+def select_regions_tiled(
+    tile_inputs: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    groups: int,
+    summary: torch.Tensor,
+    metadata: RegionMetadata,
+    *,
+    region_chunk: int = 16384,
+    score_budget_bytes: int = 2**30,
+    method: str = "threshold",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`select_regions` with queries produced per tile: `tile_inputs(b, q0, q1)` returns the query
+    `[1, q1 - q0, G, H, D]` and weights `[1, q1 - q0, G, H]` of rows `[q0, q1)` of batch row b, so
+    that queries are projected only where scored and only one tile's worth at a time."""
+    if method not in METHODS:
+        raise ValueError(f"select_regions: method must be one of {METHODS}; got {method!r}")
+    if isinstance(region_chunk, bool) or not isinstance(region_chunk, int) or region_chunk < 1:
+        raise ValueError(f"select_regions: region_chunk must be an int >= 1; got {region_chunk!r}")
+    out = select_regions_dense(metadata, groups)
+    for tile in _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes):
+        b, q0, q1, _, _ = tile
+        query, weights = tile_inputs(b, q0, q1)
+        ids = _tile_topk(
+            query, weights, summary[b : b + 1], metadata, tile, region_chunk, method, backend
+        )
+        sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
+        current = metadata.current[b, q0:q1].view(1, -1, 1).expand(groups, -1, 1)
+        chosen = torch.sort(torch.cat([ids, current], dim=-1), dim=-1).values.to(torch.int32)
+        out[b, :, q0:q1] = torch.where(sparse, chosen, out[b, :, q0:q1])
+    return out
+
+
+def select_regions_dense(metadata: RegionMetadata, groups: int) -> torch.Tensor:
+    """The selection when no query of the shard is sparse: `dense_region_ids` per group, [B, G, Q, topk + 1]."""
+    dense = metadata.dense_region_ids
+    slots = metadata.topk + 1
+    dense = torch.nn.functional.pad(
+        dense, (0, slots - dense.shape[-1]), value=metadata.region_count
+    )
+    return dense.unsqueeze(1).expand(-1, groups, -1, -1).contiguous()
+
+
+def _tile_topk(
+    query: torch.Tensor,
+    weights: torch.Tensor,
+    summary: torch.Tensor,
+    metadata: RegionMetadata,
+    tile: ScoreTile,
+    region_chunk: int,
+    method: str,
+    backend: str,
+) -> torch.Tensor:
+    """Running top-k over region chunks of one tile: int64 [G, q1 - q0, topk] region ids (any order).
+
+    query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch row.
+    """
+    b, q0, q1, r0, r1 = tile
+    topk = metadata.topk
+    first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
+    current = metadata.current[b, q0:q1].view(1, -1, 1)
+    sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
+    best_scores: torch.Tensor | None = None
+    best_ids: torch.Tensor | None = None
+    for c0 in range(r0, r1, region_chunk):
+        c1 = min(c0 + region_chunk, r1)
+        tile_scores = indexer_score_tile(
+            query, weights, summary[:, c0:c1], 0, q1 - q0, backend=backend
+        )
+        scores = tile_scores[0]
+        region = torch.arange(c0, c1, device=scores.device)
+        candidate = sparse & (region >= first) & (region < current)
+        if method == "composite":
+            keys = _composite_keys(scores, region, candidate)
+            if best_scores is not None:
+                keys = torch.cat([best_scores, keys], dim=-1)
+            if keys.shape[-1] > topk:
+                keys = torch.topk(keys, topk, sorted=False).values
+            best_scores = keys
+            continue
+        scores = scores.masked_fill_(~candidate, float("-inf"))
+        ids = region  # 1-D, broadcast over (group, query) until a running state exists
+        if best_scores is not None and best_ids is not None:
+            scores = torch.cat([best_scores, scores], dim=-1)
+            ids = torch.cat([best_ids, region.expand(*best_ids.shape[:2], -1)], dim=-1)
+        if scores.shape[-1] <= topk:
+            best_scores, best_ids = scores, ids.expand_as(scores)
+            continue
+        chosen = _threshold_topk(scores, ids, topk)
+        best_scores = scores.gather(-1, chosen)
+        best_ids = ids[chosen] if ids.dim() == 1 else ids.gather(-1, chosen)
+    if method == "composite":
+        assert best_scores is not None
+        best_ids = _ID_FLIP - (best_scores % _LOW)
+    assert best_ids is not None
+    if best_ids.shape[-1] < topk:  # a tile spanning fewer than topk regions holds no sparse query
+        best_ids = torch.nn.functional.pad(
+            best_ids, (0, topk - best_ids.shape[-1]), value=metadata.region_count
+        )
+    return best_ids
+
+
+def _threshold_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k best entries per row by (score descending, id ascending).
+
+    ids: the region id of every entry, full-shape or 1-D (broadcast over rows); distinct per row, < 2**30.
+
+    A float top-k finds the k-th best score t. Every score above t is kept; among scores equal to t
+    an int32 top-k keeps the smallest ids. Both top-k calls see distinct winners, so the set does not
+    depend on how `torch.topk` orders ties.
+    """
+    threshold = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    tie_key = _TIE_BASE - ids.to(torch.int32)
+    keys = torch.where(
+        scores > threshold, _INT32_MAX, torch.where(scores == threshold, tie_key, _INT32_MIN)
+    )
+    return torch.topk(keys, k, dim=-1, sorted=False).indices
+
+
+def _composite_keys(
+    scores: torch.Tensor, region: torch.Tensor, candidate: torch.Tensor
+) -> torch.Tensor:
+    """int64 keys ordered by (score, -region id); non-candidates get the smallest int64."""
+    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 ties with +0.0
+    bits = scores.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    keys = ordered * _LOW + (_ID_FLIP - region)
+    return torch.where(candidate, keys, _MASKED)
+
+
+def _merge_tiles(
+    tiles: tuple[ScoreTile, ...], groups: int, region_chunk: int, budget: int
+) -> list[ScoreTile]:
+    """Join adjacent tiles of one batch row while one call's scores and keys stay within `budget` bytes."""
+    merged: list[list[int]] = []
+    for b, q0, q1, r0, r1 in tiles:
+        if merged and merged[-1][0] == b:
+            mb, m0, _, mr0, mr1 = merged[-1]
+            lo, hi = min(mr0, r0), max(mr1, r1)
+            width = min(hi - lo, region_chunk)
+            if (q1 - m0) * groups * width * 20 <= budget:
+                merged[-1] = [mb, m0, q1, lo, hi]
+                continue
+        merged.append([b, q0, q1, r0, r1])
+    return [(b, q0, q1, r0, r1) for b, q0, q1, r0, r1 in merged]
+
+
+def _check(
+    query: torch.Tensor, weights: torch.Tensor, summary: torch.Tensor, metadata: RegionMetadata
+) -> None:
+    fn = "select_regions"
+    batch, queries = metadata.batch_size, metadata.queries
+    if query.dim() != 5 or query.shape[:2] != (batch, queries):
+        raise ValueError(
+            f"{fn}: query must be [batch={batch}, queries={queries}, groups, heads, dim]; got {tuple(query.shape)}"
+        )
+    if weights.shape != query.shape[:4]:
+        raise ValueError(
+            f"{fn}: weights must be {tuple(query.shape[:4])}; got {tuple(weights.shape)}"
+        )
+    if (
+        summary.dim() != 3
+        or summary.shape[0] != batch
+        or summary.shape[1] < metadata.region_count
+        or summary.shape[2] != query.shape[4]
+    ):
+        raise ValueError(
+            f"{fn}: summary must be [batch={batch}, regions>={metadata.region_count}, dim={query.shape[4]}]; "
+            f"got {tuple(summary.shape)}"
+        )

@@ -1,0 +1,328 @@
+"""Step5SparseIndexer and its parts (config, norms, w_proj, RoPE, summaries) against the plain PyTorch oracle."""
+
+import pytest
+import torch
+
+from sa_routing import (
+    Step5IndexerLayerNorm,
+    Step5IndexerRMSNorm,
+    Step5IndexerRotaryEmbedding,
+    Step5IndexerWeightProjection,
+    Step5SparseConfig,
+    Step5SparseIndexer,
+    gather_region_payload,
+    region_metadata,
+    summarize_regions,
+)
+from sa_routing.step5.reference import (
+    reference_project_keys,
+    reference_project_queries,
+    reference_rope,
+    reference_select_regions,
+    reference_summaries,
+    round_e4m3,
+    selections_differ_beyond_ties,
+)
+
+SMALL = Step5SparseConfig(
+    proxy_dim=32,
+    index_heads=6,
+    num_provider_groups=2,
+    rope_dim=8,
+    rope_theta=(10000.0, 500.0),
+    region_size=4,
+    topk=3,
+    hidden_size=48,
+)
+
+
+def document_positions(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of back-to-back documents, then a padding tail up to `total` tokens."""
+    pos = (
+        torch.cat([torch.arange(n) for n in lengths])
+        if lengths
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    pad = torch.arange(total) >= pos.numel()
+    return torch.cat([pos, torch.zeros(total - pos.numel(), dtype=torch.int64)]), pad
+
+
+def make_indexer(
+    config: Step5SparseConfig, layer_idx: int = 1, device: str = "cpu"
+) -> Step5SparseIndexer:
+    indexer = Step5SparseIndexer(config, layer_idx, torch.bfloat16, device=device)
+    with torch.no_grad():
+        for p in indexer.parameters():
+            p.copy_(
+                torch.randn_like(p) * p.shape[-1] ** -0.5
+                if p.dim() == 2
+                else torch.randn_like(p) * 0.1
+            )
+    return indexer
+
+
+def test_config_defaults_are_the_reference_geometry() -> None:
+    cfg = Step5SparseConfig()
+    assert (cfg.proxy_dim, cfg.index_heads, cfg.num_provider_groups, cfg.rope_dim) == (
+        256,
+        16,
+        4,
+        32,
+    )
+    assert (cfg.region_size, cfg.topk, cfg.norm_eps, cfg.heads_per_group) == (8, 512, 1e-5, 4)
+    assert SMALL.rope_theta_for(1) == 500.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"topk": 0}, "topk"),
+        ({"region_size": 0}, "region_size"),
+        ({"index_heads": 6, "num_provider_groups": 4}, "multiple of num_provider_groups"),
+        ({"rope_dim": 7}, "rope_dim"),
+        ({"rope_dim": 512}, "rope_dim"),
+        ({"rope_theta": ()}, "rope_theta"),
+        ({"norm_eps": 0.0}, "norm_eps"),
+    ],
+    ids=[
+        "topk-0",
+        "region-0",
+        "heads-not-divisible",
+        "rope-odd",
+        "rope-too-large",
+        "theta-empty",
+        "eps-0",
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Step5SparseConfig(**kwargs)
+
+
+def test_q_norm_rounds_its_weight_to_bf16_before_the_zero_centred_scale() -> None:
+    torch.manual_seed(0)
+    norm = Step5IndexerRMSNorm(40)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40) * 0.3)
+    x = torch.randn(3, 7, 40).to(torch.bfloat16)
+    xf = x.float()
+    want = (
+        xf
+        * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5)
+        * (1 + norm.weight.bfloat16().float())
+    )
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), atol=0, rtol=2**-8)
+
+
+def test_k_norm_is_layer_norm_with_e2_variance_and_bf16_parameters() -> None:
+    torch.manual_seed(1)
+    norm = Step5IndexerLayerNorm(40)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(40) * 0.3)
+        norm.bias.copy_(torch.randn(40) * 0.3)
+    x = (torch.randn(5, 40) * 3 + 1).to(torch.bfloat16)
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    var = xf.square().mean(-1, keepdim=True) - mean.square()
+    want = (xf - mean) / torch.sqrt(
+        var + 1e-5
+    ) * norm.weight.bfloat16().float() + norm.bias.bfloat16().float()
+    torch.testing.assert_close(norm(x).float(), want.bfloat16().float(), atol=2**-7, rtol=2**-7)
+
+
+def test_weight_projection_rounds_the_fp32_weight_and_scales_by_heads() -> None:
+    torch.manual_seed(2)
+    proj = Step5IndexerWeightProjection(24, 2, 3)
+    hidden = torch.randn(2, 5, 24).to(torch.bfloat16)
+    out = proj(hidden)
+    assert out.dtype == torch.float32 and out.shape == (2, 5, 2, 3)
+    want = (hidden @ proj.weight.bfloat16().t()).float() * 3**-0.5
+    assert torch.equal(out, want.view(2, 5, 2, 3))
+
+
+def test_rotary_rotates_half_split_pairs_of_the_leading_dims_only() -> None:
+    torch.manual_seed(3)
+    rope = Step5IndexerRotaryEmbedding(8, 10000.0)
+    x = torch.randn(2, 9, 3, 20).to(torch.bfloat16)
+    positions = torch.randint(0, 5000, (2, 9))
+    out = rope(x, positions)
+    assert torch.equal(out, reference_rope(x, positions, 8, 10000.0))
+    assert torch.equal(out[..., 8:], x[..., 8:])
+    assert torch.equal(rope(x, torch.zeros_like(positions)), x)
+    # pairs (d, d + 4) keep their norm
+    pairs = lambda t: (t[..., :4].float() ** 2 + t[..., 4:8].float() ** 2).sqrt()
+    torch.testing.assert_close(pairs(out), pairs(x), atol=0.05, rtol=0.02)
+
+
+def test_summaries_pool_each_region_with_a_softmax_over_its_valid_tokens() -> None:
+    torch.manual_seed(4)
+    pos, pad = document_positions([13, 2, 22], 41)
+    keys = torch.randn(1, 41, 32).to(torch.bfloat16)
+    logits = (torch.randn(1, 41, 32) * 4).to(torch.bfloat16)
+    m = region_metadata(pos[None], pad[None], 0, 41, region_size=4, topk=2)
+    out = summarize_regions(keys, logits, m.region_sources, m.region_source_valid)
+    want = reference_summaries(keys, logits, pos[None], pad[None], 4)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, m.region_count, 32)
+    assert torch.equal(out, want)
+    assert torch.equal(round_e4m3(out), out)
+    # a one-token region is that token's key, rounded
+    single = int(m.token_regions[0, 12])
+    assert torch.equal(out[0, single], round_e4m3(keys[0, 12]))
+
+
+def test_payload_gather_returns_exactly_the_source_rows() -> None:
+    torch.manual_seed(5)
+    pos_a, pad_a = document_positions([10, 7], 19)
+    pos_b, pad_b = document_positions([19], 19)
+    pos, pad = torch.stack([pos_a, pos_b]), torch.stack([pad_a, pad_b])
+    keys = torch.randn(2, 19, 16).to(torch.bfloat16)
+    logits = torch.randn(2, 19, 16)
+    m = region_metadata(pos, pad, 0, 19, region_size=3, topk=1)
+    k_rows, z_rows = gather_region_payload(keys, logits, m.region_sources, m.region_source_valid)
+    assert k_rows.shape == (2, m.region_count, 3, 16) and z_rows.dtype == torch.float32
+    for b in range(2):
+        for r in range(m.region_count):
+            for j in range(3):
+                t = int(m.region_sources[b, r, j])
+                if t >= 0:
+                    assert torch.equal(k_rows[b, r, j], keys[b, t])
+                    assert torch.equal(z_rows[b, r, j], logits[b, t])
+    with pytest.raises(ValueError, match="sources and valid"):
+        gather_region_payload(keys, logits, m.region_sources[:1], m.region_source_valid)
+
+
+def run_indexer_and_oracle(
+    indexer: Step5SparseIndexer,
+    pos: torch.Tensor,
+    pad: torch.Tensor,
+    query_start: int,
+    queries: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    cfg = indexer.config
+    batch, total = pos.shape
+    device = pos.device
+    hidden = torch.randn(batch, total, cfg.hidden_size, device=device).to(torch.bfloat16)
+    keys, logits = indexer.project_keys(hidden, pos)
+    rows = slice(query_start, query_start + queries)
+    selection = indexer(hidden[:, rows], pos[:, rows], keys, logits, pos, pad, query_start)
+    # Each stage against its oracle; the next oracle stage then reads the fast stage's output, so that
+    # a one-ulp difference of a norm kernel cannot pass for a selection difference.
+    ref_keys, ref_logits = reference_project_keys(indexer, hidden, pos)
+    torch.testing.assert_close(keys.float(), ref_keys.float(), atol=2**-6, rtol=2**-7)
+    assert torch.equal(logits, ref_logits)
+    query, weights = indexer.project_queries(hidden[:, rows], pos[:, rows])
+    ref_query, ref_weights = reference_project_queries(indexer, hidden[:, rows], pos[:, rows])
+    far = (query.float() - ref_query.float()).abs() > 2**-3 * ref_query.float().abs() + 1e-3
+    assert far.float().mean() < 1e-3, "queries differ beyond one E4M3 step"
+    torch.testing.assert_close(weights, ref_weights, atol=1e-5, rtol=1e-5)
+    summary = reference_summaries(keys, logits, pos, pad, cfg.region_size)
+    oracle = reference_select_regions(
+        query,
+        weights,
+        summary,
+        pos,
+        pad,
+        query_start,
+        cfg.region_size,
+        cfg.topk,
+        torch.float64,
+        query_chunk=128,
+    )
+    return selection.region_ids, oracle, (query, weights, summary, selection.region_count)
+
+
+def test_indexer_selects_the_oracle_regions_from_hidden_states() -> None:
+    torch.manual_seed(6)
+    indexer = make_indexer(SMALL)
+    pos_a, pad_a = document_positions([70, 3, 60], 140)
+    pos_b, pad_b = document_positions([137], 140)
+    pos, pad = torch.stack([pos_a, pos_b]), torch.stack([pad_a, pad_b])
+    ids, oracle, (query, weights, summary, count) = run_indexer_and_oracle(
+        indexer, pos, pad, 0, 140
+    )
+    assert ids.shape == (2, 2, 140, SMALL.topk + 1) and ids.dtype == torch.int32
+    differing, beyond_ties = selections_differ_beyond_ties(
+        ids, oracle, query, weights, summary, count
+    )
+    assert beyond_ties == []
+    assert differing <= 2
+    assert (ids[:, :, :, :-1] <= ids[:, :, :, 1:]).all(), "ids ascending"
+
+
+@pytest.mark.parametrize("shards", [2, 5], ids=lambda n: f"cp{n}")
+def test_indexer_shard_equals_the_slice_of_the_unsharded_selection(shards: int) -> None:
+    torch.manual_seed(7)
+    indexer = make_indexer(SMALL, layer_idx=0)
+    total = 120
+    pos, pad = document_positions([45, 70], total)
+    pos, pad = pos[None], pad[None]
+    hidden = torch.randn(1, total, SMALL.hidden_size).to(torch.bfloat16)
+    keys, logits = indexer.project_keys(hidden, pos)
+    full = indexer(hidden, pos, keys, logits, pos, pad).region_ids
+    local = total // shards
+    for rank in range(shards):
+        rows = slice(rank * local, (rank + 1) * local)
+        shard = indexer(
+            hidden[:, rows], pos[:, rows], keys, logits, pos, pad, query_start=rank * local
+        )
+        assert torch.equal(shard.region_ids, full[:, :, rows])
+
+
+def test_dense_prefix_needs_no_keys_and_scores_nothing() -> None:
+    indexer = make_indexer(SMALL)
+    pos, pad = document_positions([16, 9], 25)  # history <= 3 == topk everywhere
+    hidden = torch.randn(1, 25, SMALL.hidden_size).to(torch.bfloat16)
+    m = region_metadata(pos[None], pad[None], 0, 25, SMALL.region_size, SMALL.topk)
+    assert m.score_tiles == ()
+    selection = indexer(hidden, pos[None], None, None, pos[None], pad[None], metadata=m)
+    want = torch.nn.functional.pad(m.dense_region_ids, (0, 0), value=m.region_count)
+    assert torch.equal(selection.region_ids, want.unsqueeze(1).expand(1, 2, 25, 4))
+
+
+def test_indexer_is_frozen_and_selects_without_autograd() -> None:
+    indexer = make_indexer(SMALL)
+    assert not any(p.requires_grad for p in indexer.parameters())
+    pos, pad = document_positions([40], 40)
+    hidden = torch.randn(1, 40, SMALL.hidden_size, requires_grad=True)
+    keys, logits = indexer.project_keys(hidden.detach().bfloat16(), pos[None])
+    assert not keys.requires_grad and not logits.requires_grad
+    selection = indexer(hidden.detach().bfloat16(), pos[None], keys, logits, pos[None], pad[None])
+    assert not selection.region_ids.requires_grad
+
+
+def test_indexer_rejects_missing_keys_and_foreign_metadata() -> None:
+    indexer = make_indexer(SMALL)
+    pos, pad = document_positions([40], 40)
+    hidden = torch.randn(1, 40, SMALL.hidden_size).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="keys and compression_logits are required"):
+        indexer(hidden, pos[None], None, None, pos[None], pad[None])
+    other = region_metadata(pos[None], pad[None], 0, 40, SMALL.region_size, SMALL.topk + 1)
+    keys, logits = indexer.project_keys(hidden, pos[None])
+    with pytest.raises(ValueError, match="metadata must describe"):
+        indexer(hidden, pos[None], keys, logits, pos[None], pad[None], metadata=other)
+    with pytest.raises(TypeError, match="positions must be int64"):
+        indexer.project_keys(hidden, pos[None].int())
+    with pytest.raises(ValueError, match="hidden must be"):
+        indexer.project_keys(hidden[..., :5], pos[None])
+    with pytest.raises(ValueError, match="keys must be"):
+        indexer(hidden, pos[None], keys[:, :39], logits, pos[None], pad[None])
+
+
+@pytest.mark.gpu
+def test_indexer_at_32k_tokens_matches_the_oracle_on_cuda() -> None:
+    torch.manual_seed(0)
+    cfg = Step5SparseConfig(hidden_size=1024)
+    indexer = make_indexer(cfg, device="cuda")
+    total = 32768
+    pos, pad = document_positions([5000, 20000, 7000], total)
+    pos, pad = pos[None].cuda(), pad[None].cuda()
+    ids, oracle, (query, weights, summary, count) = run_indexer_and_oracle(
+        indexer, pos, pad, 0, total
+    )
+    differing, beyond_ties = selections_differ_beyond_ties(
+        ids, oracle, query, weights, summary, count
+    )
+    assert beyond_ties == []
+    assert differing <= ids.shape[1] * ids.shape[2] // 1000

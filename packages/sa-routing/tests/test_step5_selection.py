@@ -1,0 +1,234 @@
+"""select_regions (tiles, running top-k, composite keys) against the plain PyTorch oracle."""
+
+import zlib
+
+import pytest
+import torch
+
+from sa_routing import region_metadata, select_regions
+from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
+
+BACKENDS = ["reference", "triton"]
+METHODS = ["threshold", "composite"]
+
+
+def document_positions(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of back-to-back documents, then a padding tail up to `total` tokens."""
+    pos = (
+        torch.cat([torch.arange(n) for n in lengths])
+        if lengths
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    pad = torch.arange(total) >= pos.numel()
+    return torch.cat([pos, torch.zeros(total - pos.numel(), dtype=torch.int64)]), pad
+
+
+def integer_inputs(
+    batch: int,
+    queries: int,
+    regions: int,
+    groups: int,
+    heads: int,
+    dim: int,
+    spread: int,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Small integers: exact in E4M3 and in every FP32 summation order, so scores tie often and exactly."""
+    query = torch.randint(-spread, spread + 1, (batch, queries, groups, heads, dim), device=device)
+    weights = torch.randint(-spread, spread + 1, (batch, queries, groups, heads), device=device)
+    summary = torch.randint(-spread, spread + 1, (batch, regions, dim), device=device)
+    return query.to(torch.bfloat16), weights.float(), summary.to(torch.bfloat16)
+
+
+# Two documents (7 and 5 tokens), two padding tokens; region 2, topk 1; regions 0-3 and 4-6.
+HAND_POS, HAND_PAD = document_positions([7, 5], 14)
+N = 7
+DENSE_A = [[0, N], [0, N], [0, 1], [0, 1]]
+DENSE_B = [[4, N], [4, N], [4, 5], [4, 5]]
+PAD_ROWS = [[N, N], [N, N]]
+
+
+def hand_inputs(values: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Region r scores relu(values[r]) in group 0 and -relu(values[r]) in group 1 (one head, dim 16)."""
+    query = torch.zeros(1, 14, 2, 1, 16, dtype=torch.bfloat16)
+    query[..., 0] = 1
+    weights = torch.tensor([1.0, -1.0]).view(1, 1, 2, 1).expand(1, 14, 2, 1).contiguous()
+    summary = torch.zeros(1, N, 16, dtype=torch.bfloat16)
+    summary[0, :, 0] = torch.tensor(values)
+    return query, weights, summary
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("values", "group0", "group1"),
+    [
+        (
+            [1, 3, 2, 5, 4, 1, 2],
+            [*DENSE_A, [1, 2], [1, 2], [1, 3], *DENSE_B, [4, 6], *PAD_ROWS],
+            [*DENSE_A, [0, 2], [0, 2], [0, 3], *DENSE_B, [5, 6], *PAD_ROWS],
+        ),
+        (
+            [3, 3, 2, 5, 4, 4, 2],
+            [*DENSE_A, [0, 2], [0, 2], [0, 3], *DENSE_B, [4, 6], *PAD_ROWS],
+            [*DENSE_A, [0, 2], [0, 2], [2, 3], *DENSE_B, [4, 6], *PAD_ROWS],
+        ),
+    ],
+    ids=["distinct-scores", "tied-scores-lower-id-wins"],
+)
+def test_two_documents_region2_topk1_select_hand_computed_ids(
+    method: str, backend: str, values: list[float], group0: list, group1: list
+) -> None:
+    m = region_metadata(HAND_POS[None], HAND_PAD[None], 0, 14, region_size=2, topk=1)
+    query, weights, summary = hand_inputs(values)
+    ids = select_regions(query, weights, summary, m, method=method, backend=backend)
+    assert ids.dtype == torch.int32 and ids.shape == (1, 2, 14, 2)
+    assert ids[0, 0].tolist() == group0
+    assert ids[0, 1].tolist() == group1
+    oracle = reference_select_regions(
+        query, weights, summary, HAND_POS[None], HAND_PAD[None], 0, 2, 1
+    )
+    assert torch.equal(ids, oracle)
+
+
+CASES = [
+    # (documents per row, total, region_size, topk, tile, region_chunk, groups, heads, dim)
+    ([[37, 5, 60], [101, 3]], 110, 3, 4, 16, 7, "short-docs-padding-chunked"),
+    ([[2, 1, 90], [1, 1, 1, 50]], 97, 1, 6, 32, 1000, "region1-tiny-docs"),
+    ([[130]], 131, 5, 2, 128, 3, "one-doc-padding-at-region-end"),
+    ([[25, 25, 24]], 80, 8, 2, 9, 4, "sparse-threshold-exactly"),
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("spread", "groups", "heads", "dim"),
+    [(1, 2, 3, 16), (2, 4, 1, 24)],
+    ids=["G2-H3-D16", "G4-H1-D24"],
+)
+@pytest.mark.parametrize(
+    ("docs", "total", "region", "topk", "tile", "chunk", "case_id"),
+    CASES,
+    ids=[c[-1] for c in CASES],
+)
+def test_fast_selection_equals_oracle_bit_for_bit_with_exact_ties(
+    method: str,
+    backend: str,
+    spread: int,
+    groups: int,
+    heads: int,
+    dim: int,
+    docs: list,
+    total: int,
+    region: int,
+    topk: int,
+    tile: int,
+    chunk: int,
+    case_id: str,
+) -> None:
+    torch.manual_seed(zlib.crc32(case_id.encode()))
+    rows = [document_positions(d, total) for d in docs]
+    pos, pad = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    m = region_metadata(pos, pad, 0, total, region, topk, tile_size=tile)
+    assert m.score_tiles, "the case must exercise scoring"
+    query, weights, summary = integer_inputs(
+        len(docs), total, m.region_count, groups, heads, dim, spread
+    )
+    out = select_regions(
+        query, weights, summary, m, region_chunk=chunk, method=method, backend=backend
+    )
+    oracle = reference_select_regions(query, weights, summary, pos, pad, 0, region, topk)
+    assert torch.equal(out, oracle)
+
+
+def test_queries_exactly_at_the_sparse_threshold_are_dense_and_one_past_are_scored() -> None:
+    region, topk = 4, 3
+    pos, pad = document_positions([40], 40)
+    m = region_metadata(pos[None], pad[None], 0, 40, region, topk)
+    # history = pos // 4: pos 15 has 3 historical regions (dense); pos 16 has 4 (sparse).
+    assert not m.sparse_queries[0, 15] and m.sparse_queries[0, 16]
+    assert m.dense_region_ids[0, 15].tolist() == [0, 1, 2, 3]
+    torch.manual_seed(3)
+    query, weights, summary = integer_inputs(1, 40, m.region_count, 2, 2, 16, 2)
+    out = select_regions(query, weights, summary, m)
+    assert out[0, :, 15].tolist() == [[0, 1, 2, 3]] * 2
+    assert (out[0, :, 16, -1] == 4).all()  # the current region is always kept
+    assert torch.equal(
+        out,
+        reference_select_regions(query, weights, summary, pos[None], pad[None], 0, region, topk),
+    )
+
+
+@pytest.mark.parametrize("shards", [2, 4], ids=lambda n: f"cp{n}")
+def test_shard_selection_equals_the_slice_of_the_unsharded_selection(shards: int) -> None:
+    torch.manual_seed(shards)
+    total, region, topk = 120, 3, 4
+    rows = [document_positions([50, 2, 44], total), document_positions([101], total)]
+    pos, pad = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    full_meta = region_metadata(pos, pad, 0, total, region, topk, tile_size=16)
+    query, weights, summary = integer_inputs(2, total, full_meta.region_count, 2, 2, 16, 1)
+    full = select_regions(query, weights, summary, full_meta)
+    local = total // shards
+    for rank in range(shards):
+        rows_ = slice(rank * local, (rank + 1) * local)
+        m = region_metadata(pos, pad, rank * local, local, region, topk, tile_size=16)
+        shard = select_regions(query[:, rows_], weights[:, rows_], summary, m)
+        assert torch.equal(shard, full[:, :, rows_])
+
+
+def test_real_valued_scores_select_the_oracle_ids_up_to_fp32_near_ties() -> None:
+    torch.manual_seed(11)
+    total, region, topk = 150, 2, 5
+    pos, pad = document_positions([61, 80], total)
+    m = region_metadata(pos[None], pad[None], 0, total, region, topk, tile_size=32)
+    query = torch.randn(1, total, 2, 4, 32).to(torch.float8_e4m3fn).to(torch.bfloat16)
+    weights = torch.randn(1, total, 2, 4)
+    summary = torch.randn(1, m.region_count, 32).to(torch.float8_e4m3fn).to(torch.bfloat16)
+    out = select_regions(query, weights, summary, m, region_chunk=11)
+    oracle = reference_select_regions(
+        query, weights, summary, pos[None], pad[None], 0, region, topk, torch.float64
+    )
+    differing, beyond_ties = selections_differ_beyond_ties(
+        out, oracle, query, weights, summary, m.region_count
+    )
+    assert beyond_ties == []
+    assert differing <= 2
+
+
+def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:
+    m = region_metadata(HAND_POS[None], HAND_PAD[None], 0, 14, region_size=2, topk=1)
+    query, weights, summary = hand_inputs([1] * N)
+    with pytest.raises(ValueError, match="query must be"):
+        select_regions(query[:, :13], weights[:, :13], summary, m)
+    with pytest.raises(ValueError, match="weights must be"):
+        select_regions(query, weights[..., :0], summary, m)
+    with pytest.raises(ValueError, match="summary must be"):
+        select_regions(query, weights, summary[:, :6], m)
+    with pytest.raises(ValueError, match="method must be one of"):
+        select_regions(query, weights, summary, m, method="sort")
+    with pytest.raises(ValueError, match="region_chunk"):
+        select_regions(query, weights, summary, m, region_chunk=0)
+
+
+@pytest.mark.gpu
+def test_selection_at_32k_tokens_equals_oracle_bit_for_bit_on_cuda() -> None:
+    torch.manual_seed(0)
+    total, region, topk = 32768, 8, 512
+    docs = [3000, 17, 20000, 9000]
+    pos, pad = document_positions(docs, total)
+    pos, pad = pos[None].cuda(), pad[None].cuda()
+    m = region_metadata(pos, pad, 0, total, region, topk)
+    query, weights, summary = integer_inputs(1, total, m.region_count, 4, 4, 256, 1, device="cuda")
+    oracle = reference_select_regions(
+        query, weights, summary, pos, pad, 0, region, topk, query_chunk=128
+    )
+    for method, chunk in (("threshold", 16384), ("composite", 16384), ("threshold", 1000)):
+        out = select_regions(query, weights, summary, m, method=method, region_chunk=chunk)
+        assert torch.equal(out, oracle), (method, chunk)
+    # a CP shard of the same sequence equals its slice
+    rows = slice(8192, 16384)
+    shard = region_metadata(pos, pad, 8192, 8192, region, topk)
+    assert torch.equal(
+        select_regions(query[:, rows], weights[:, rows], summary, shard), oracle[:, :, rows]
+    )
