@@ -236,3 +236,27 @@ def test_chunked_path_equals_the_oracle_on_cuda_at_real_size(dtype):
         queries, keys, lengths, token_budget=budget, compress_ratio=c, query_position_offset=offset
     )
     assert torch.equal(routes, expected)
+
+
+def test_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch):
+    """With the budget shrunk to 64 KiB, every scored chunk fits it and the routes do not change."""
+    from sa_routing.qsa.selection import chunked
+
+    budget_bytes = 64 * 1024
+    scored = []
+    original_scores = chunked.qsa_block_scores
+
+    def recording_scores(queries, keys):
+        scored.append((queries.shape[0], keys.shape[0]))
+        return original_scores(queries, keys)
+
+    queries, keys = _tied_inputs(2, 700, 2, 8, 700 // 2, torch.bfloat16, seed=5)
+    expected = select_qsa_token_ids(queries, keys, None, token_budget=16, compress_ratio=2)
+    monkeypatch.setattr(chunked, "SCORE_TEMP_BUDGET_BYTES", budget_bytes)
+    monkeypatch.setattr(chunked, "qsa_block_scores", recording_scores)
+    routes = select_qsa_token_ids(queries, keys, None, token_budget=16, compress_ratio=2)
+    assert torch.equal(routes, expected)
+    assert len(scored) > 10
+    assert all(
+        rows * blocks * chunked._TEMP_BYTES_PER_SCORE <= budget_bytes for rows, blocks in scored
+    )
