@@ -1,10 +1,10 @@
-"""Bitmap packing without a scatter workspace: one row per program, every output word written once, coalesced.
+"""Bitmap packing without a scatter workspace: one row per program, a segmented OR scan over sorted ids.
 
-Within a sorted row the ids of one 32-region word are contiguous, so:
-1. a segmented OR scan over the slots leaves each word's full mask at the word's last slot;
-2. per block of words, a histogram of the slots' words and its prefix sum give each word's last slot
-   (`#slots with word <= w` − 1), and a gather moves the masks from slot space to word space.
-Words no id touches get 0. No scattered stores, no zero pass, no int64 temporaries.
+Within a sorted row, the ids of one 32-region word are contiguous. A scan that ORs bits while the word stays the
+same leaves each word's full mask at the word's last slot; that slot stores it. The row is zeroed first (words no
+id touches), then a barrier orders the zeros before the masks. Stores of consecutive slots go to nondecreasing
+addresses, so they stay close to coalesced. (A histogram + prefix sum + gather variant that writes each word once
+measured 2.7× slower on the H200: 0.79 ms vs 0.29 ms at [1, 4, 16384, 513] ids, 16384 regions.)
 """
 
 import torch
@@ -29,25 +29,22 @@ def _pack_region_bitmap_kernel(
     BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    out_row = out_ptr + row * words
+    for w0 in range(0, words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(out_row + w, tl.zeros([BLOCK_W], dtype=tl.int32), mask=w < words)
     s = tl.arange(0, BLOCK_S)
     ids = tl.load(ids_ptr + row * stride_row + s, mask=s < slots, other=regions)
+    nxt = tl.load(ids_ptr + row * stride_row + s + 1, mask=s + 1 < slots, other=regions)
     valid = (ids >= 0) & (ids < regions)
     # Sentinels keep `word` nondecreasing along the sorted row: negatives first, padding last.
     word = tl.where(valid, ids >> 5, tl.where(ids < 0, -1, words))
     bits = tl.where(valid, (1 << (ids & 31)).to(tl.int32), 0)
     _, word_masks = tl.associative_scan((word, bits), 0, _or_within_word)
-    w_local = tl.arange(0, BLOCK_W)
-    for w0 in range(0, words, BLOCK_W):
-        local = word - w0
-        in_block = valid & (local >= 0) & (local < BLOCK_W)
-        outside = tl.sum((~in_block).to(tl.int32), axis=0)
-        counts = tl.histogram(tl.where(in_block, local, 0), BLOCK_W)
-        counts = counts - tl.where(w_local == 0, outside, 0)
-        before = tl.sum((word < w0).to(tl.int32), axis=0)
-        last = before + tl.cumsum(counts, axis=0) - 1
-        gathered = tl.gather(word_masks, tl.maximum(last, 0), axis=0)
-        w = w0 + w_local
-        tl.store(out_ptr + row * words + w, tl.where(counts > 0, gathered, 0), mask=w < words)
+    next_word = tl.where((nxt >= 0) & (nxt < regions), nxt >> 5, words)
+    last_of_word = valid & (next_word != word)
+    tl.debug_barrier()
+    tl.store(out_row + word, word_masks, mask=last_of_word)
 
 
 def pack_region_bitmap(ids: torch.Tensor, regions: int, out: torch.Tensor) -> torch.Tensor:
