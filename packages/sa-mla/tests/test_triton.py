@@ -6,7 +6,7 @@ import torch
 from sa_mla import sparse_mla_attention, sparse_mla_triton
 from sa_mla.reference import sparse_mla_reference_with_lse
 from sa_mla.testing import errors_against_oracle, random_problem
-from sa_mla.triton.kernels import sparse_mla_forward
+from sa_mla.triton.forward import sparse_mla_forward
 
 INTERPRETED = [
     pytest.param(

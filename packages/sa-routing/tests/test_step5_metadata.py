@@ -229,8 +229,8 @@ def test_default_tiles_hold_at_most_128_queries_and_cover_each_sparse_query_once
 def test_metadata_at_128k_uses_one_host_sync_on_cuda() -> None:
     import warnings
 
-    lengths = [16384 + 37 * i for i in range(8)]
-    total = 131072 + 512
+    lengths = [16384 + 37 * (i - 4) for i in range(8)]  # 8 documents, 130,924 tokens
+    total = sum(lengths) + 512  # then a padding tail
     pos, pad = document_positions(lengths, total)
     pos, pad = pos[None].cuda(), pad[None].cuda()
     region_metadata(pos, pad, 0, total, region_size=8, topk=512)  # warm up

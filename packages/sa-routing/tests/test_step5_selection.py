@@ -7,6 +7,7 @@ import torch
 
 from sa_routing import region_metadata, select_regions
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
+from sa_routing.step5.selection import _merge_tiles
 
 BACKENDS = ["reference", "triton"]
 METHODS = ["threshold", "composite"]
@@ -194,6 +195,17 @@ def test_real_valued_scores_select_the_oracle_ids_up_to_fp32_near_ties() -> None
     )
     assert beyond_ties == []
     assert differing <= 2
+
+
+def test_merged_tiles_score_exactly_the_rows_of_the_metadata_tiles() -> None:
+    # doc 1's first 10 rows are dense and hold no tile: merging must not bridge them
+    pos, pad = document_positions([30, 12, 40], 82)
+    m = region_metadata(pos[None], pad[None], 0, 82, region_size=2, topk=4, tile_size=8)
+    merged = _merge_tiles(m.score_tiles, groups=2, region_chunk=64, budget=2**30)
+    assert len(merged) < len(m.score_tiles)
+    rows = lambda tiles: sorted(q for t in tiles for q in range(t[1], t[2]))
+    assert rows(merged) == rows(m.score_tiles)
+    assert not any(m.sparse_queries[0, 30:40])
 
 
 def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:

@@ -97,7 +97,7 @@ def pad_heads(tensor: torch.Tensor, heads: int, value: float) -> torch.Tensor:
 def row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """FP32 [T, H]: sum over value dims of dout * out (a Triton kernel on CUDA, no FP32 copies)."""
     if out.is_cuda:
-        from sa_mla.triton.kernels import sparse_mla_delta
+        from sa_mla.triton.backward import sparse_mla_delta
 
         return sparse_mla_delta(out.contiguous(), dout.contiguous())
     compute = torch.promote_types(out.dtype, torch.float32)

@@ -3,7 +3,8 @@
 import torch
 
 from sa_kernels._backend import resolve_backend
-from sa_mla.triton.kernels import sparse_mla_backward, sparse_mla_delta, sparse_mla_forward
+from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
+from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.validation import check_sparse_mla_arguments
 
 

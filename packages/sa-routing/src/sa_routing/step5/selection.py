@@ -204,10 +204,11 @@ def _composite_keys(
 def _merge_tiles(
     tiles: tuple[ScoreTile, ...], groups: int, region_chunk: int, budget: int
 ) -> list[ScoreTile]:
-    """Join adjacent tiles of one batch row while one call's scores and keys stay within `budget` bytes."""
+    """Join tiles of one batch row that touch (no unscored rows between them) while one call's scores
+    and keys stay within `budget` bytes."""
     merged: list[list[int]] = []
     for b, q0, q1, r0, r1 in tiles:
-        if merged and merged[-1][0] == b:
+        if merged and merged[-1][0] == b and merged[-1][2] == q0:
             mb, m0, _, mr0, mr1 = merged[-1]
             lo, hi = min(mr0, r0), max(mr1, r1)
             width = min(hi - lo, region_chunk)

@@ -1,0 +1,154 @@
+"""Sparse MLA forward in Triton: one program per (head block, query token), online softmax in base 2.
+
+Layout (validated by the caller): q [T, H, D] and kv [T_kv, D] with unit last stride, ids [T, W] int32,
+D = 512 (values only) or 576 (512 value dims + 64 rope dims). A program streams its token's top-k slots
+in blocks of BLOCK_K, gathers the latent rows they name (a duplicated id counts once per slot) and writes
+the output and the natural-log lse (sink excluded, +inf when the row has no valid slot).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sa_mla.triton.launch import LaunchConfig, _launch, forward_configs
+
+LOG2E = 1.4426950408889634
+VALUE_DIM = 512
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q,
+    KV,
+    IDX,
+    TOPK_LEN,
+    SINK,
+    OUT,
+    LSE,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    heads,
+    keys,
+    width,
+    scale_log2,
+    HAS_LEN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < heads
+    offs_v = tl.arange(0, DV)
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_v[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q_nope = q_nope.to(tl.float32)
+    if D_ROPE > 0:
+        offs_r = DV + tl.arange(0, D_ROPE)
+        q_rope = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+        if UPCAST:
+            q_rope = q_rope.to(tl.float32)
+    length = width
+    if HAS_LEN:
+        length = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), width)
+    idx_row = IDX + t * stride_it
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    for start in range(0, length, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys) & (slots < length)
+        kv_row = KV + ids.to(tl.int64) * stride_kvt
+        k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k_nope = k_nope.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(k_nope))
+        if D_ROPE > 0:
+            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            s += tl.dot(q_rope, tl.trans(k_rope))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    denominator = l_i
+    if HAS_SINK:
+        sink = tl.load(SINK + offs_h, mask=hmask, other=float("-inf")).to(tl.float32)
+        denominator += tl.exp2(sink * 1.4426950408889634 - tl.where(nonempty, m_i, 0.0))
+    scale = tl.where(nonempty, 1.0 / tl.where(nonempty, denominator, 1.0), 0.0)
+    out = acc * scale[:, None]
+    o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
+    tl.store(o_row + offs_v[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None])
+    lse = tl.where(
+        nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("inf")
+    )
+    tl.store(LSE + t * heads + offs_h, lse, mask=hmask)
+
+
+def sparse_mla_forward(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ids: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], kv [T_kv, D], ids [T, W] int32 -> (out [T, H, 512] q.dtype, lse [T, H] fp32 natural log)."""
+    tokens, heads, head_dim = q.shape
+    out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    configs = [config] if config is not None else forward_configs(heads)
+    key = (
+        None
+        if config is not None
+        else ("fwd", heads, head_dim, q.dtype, topk_length is not None, attn_sink is not None)
+    )
+    _launch(
+        _sparse_mla_fwd_kernel,
+        key,
+        configs,
+        lambda c: (triton.cdiv(heads, c.block_h), tokens),
+        q,
+        kv,
+        ids,
+        topk_length if topk_length is not None else ids,
+        attn_sink if attn_sink is not None else lse,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        ids.stride(0),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        kv.shape[0],
+        ids.shape[1],
+        float(softmax_scale) * LOG2E,
+        HAS_LEN=topk_length is not None,
+        HAS_SINK=attn_sink is not None,
+        D_ROPE=head_dim - VALUE_DIM,
+        DV=VALUE_DIM,
+    )
+    return out, lse
