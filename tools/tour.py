@@ -1,14 +1,78 @@
-"""A short tour of sa on CPU: context-parallel shards and recompute replay (more as packages land)."""
+"""A short tour of sa on CPU: routing, sparse attention over routes, replay and context parallelism.
+
+uv run python tools/tour.py
+"""
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from sa_cp import ContextParallelLayout, checkpoint_context_fn, shard_sequence
 from sa_cp.testing import TOY_ROUTES, ToyRoutedLayer
+from sa_kernels import sparse_gqa_attention
+from sa_mla import sparse_mla_attention
+from sa_routing import Step5SparseConfig, Step5SparseIndexer, region_metadata
+from sa_routing.qsa.testing import rotary_table, small_indexer
+
+
+def qsa_tour() -> None:
+    print("== QSA: compressed-block routes, then sparse GQA attention over them ==")
+    indexer = small_indexer(torch.float32)  # hidden 40, 3 heads, budget 12 tokens, ratio 3
+    tokens = 48
+    hidden = torch.randn(1, tokens, 40)
+    ids = indexer(hidden, rotary_table(torch.arange(tokens), 16)[None])
+    for row in (5, 20, 47):
+        valid = ids[0, row][ids[0, row] >= 0].tolist()
+        print(f"query {row:>2} attends to {len(valid):>2} of {row + 1:>2} tokens: {valid}")
+    query, key, value = (
+        torch.randn(1, tokens, 4, 8),
+        torch.randn(1, tokens, 2, 8),
+        torch.randn(1, tokens, 2, 8),
+    )
+    out = sparse_gqa_attention(query, key, value, ids)
+    print(f"sparse_gqa_attention: query {tuple(query.shape)}, 2 KV heads -> {tuple(out.shape)}")
+
+
+def step5_tour() -> None:
+    print("\n== Step-5 CSA: regions per document, top-k historical regions + the current one ==")
+    config = Step5SparseConfig(
+        hidden_size=64,
+        proxy_dim=32,
+        index_heads=4,
+        num_provider_groups=2,
+        rope_dim=8,
+        region_size=4,
+        topk=2,
+    )
+    indexer = Step5SparseIndexer(config, layer_idx=3, dtype=torch.bfloat16)
+    for parameter in indexer.parameters():
+        parameter.data.normal_(0, 0.3)
+    positions = torch.cat([torch.arange(20), torch.arange(12)])[
+        None
+    ]  # two documents: 20 and 12 tokens
+    hidden = torch.randn(1, 32, 64, dtype=torch.bfloat16)
+    metadata = region_metadata(positions, None, 0, 32, config.region_size, config.topk)
+    keys, logits = indexer.project_keys(hidden, positions)
+    selection = indexer(hidden, positions, keys, logits, positions, None, metadata=metadata)
+    for query in (3, 19, 31):
+        regions = [
+            r for r in selection.region_ids[0, 0, query].tolist() if r < selection.region_count
+        ]
+        print(f"query {query:>2} (document position {positions[0, query]:>2}) -> regions {regions}")
+
+
+def mla_tour() -> None:
+    print("\n== Sparse MLA: one latent K/V head, per-query top-k ids (oracle on CPU) ==")
+    q = torch.randn(6, 4, 576, dtype=torch.bfloat16)
+    kv = torch.randn(32, 1, 576, dtype=torch.bfloat16)
+    ids = torch.randint(-1, 32, (6, 1, 8), dtype=torch.int32)
+    out = sparse_mla_attention(q, kv, ids, 576**-0.5)
+    print(
+        f"sparse_mla_attention(backend='auto' -> reference on CPU): {tuple(out.shape)} {out.dtype}"
+    )
 
 
 def context_parallel_tour() -> None:
-    print("== sa-cp: contiguous context-parallel shards ==")
+    print("\n== sa-cp: contiguous context-parallel shards ==")
     positions = torch.arange(100)[None]
     for rank in range(3):
         layout = ContextParallelLayout.create(100, multiple_of=8, pad=True, rank=rank, size=3)
@@ -20,7 +84,6 @@ def context_parallel_tour() -> None:
 
 def replay_tour() -> None:
     print("\n== sa-cp: recompute replay ==")
-    torch.manual_seed(0)
     x = torch.randn(2, 64, 16, requires_grad=True)
     for label, context_fn in (
         ("checkpoint", None),
@@ -33,5 +96,9 @@ def replay_tour() -> None:
 
 
 if __name__ == "__main__":
+    torch.manual_seed(0)
+    qsa_tour()
+    step5_tour()
+    mla_tour()
     context_parallel_tour()
     replay_tour()
