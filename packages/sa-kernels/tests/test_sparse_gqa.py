@@ -527,3 +527,12 @@ def test_cuda_fp32_gather_is_exact_to_fp32_rounding():
     out = sparse_gqa_attention(q, k, v, ids, backend="gather", softmax_scale=1 / math.sqrt(50))
     ref = sparse_gqa_attention_reference(q.double(), k.double(), v.double(), ids, 1 / math.sqrt(50))
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_int64_ids_beyond_int32_are_padding_not_wrapped():
+    q, k, v, gen = _inputs(1, 6, 4, 2, 16, 24, torch.float32)
+    ids = _random_ids((1, 6, 5), 24, gen).long()
+    ids[0, :, 4] = 2**32 + 3  # would wrap to the valid id 3 as int32
+    expected = sparse_gqa_attention_reference(q, k, v, ids.clamp(max=24).masked_fill(ids >= 24, -1))
+    for backend in ("reference", "gather"):
+        torch.testing.assert_close(sparse_gqa_attention(q, k, v, ids, backend=backend), expected)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sa_mla import sparse_mla_attention, sparse_mla_triton
+from sa_mla import sparse_mla_attention, sparse_mla_reference, sparse_mla_triton
 from sa_mla.reference import sparse_mla_reference_with_lse
 from sa_mla.testing import errors_against_oracle, random_problem
 from sa_mla.triton.forward import sparse_mla_forward
@@ -115,3 +115,17 @@ def test_auto_backend_on_cuda_runs_a_fused_or_triton_path_matching_oracle():
         and errors["dkv"] <= 1e-2
         and errors["dsink"] <= 1e-2
     ), errors
+
+
+def test_int64_ids_beyond_int32_are_invalid_not_wrapped():
+    p = random_problem(5, 4, 576, 20, 10, dtype=torch.float32, seed=7, requires_grad=False)
+    ids = p.topk_indices.long()
+    ids[:, 0, -1] = 2**32 + 3  # would wrap to the valid id 3 as int32
+    dropped = ids.masked_fill(ids >= p.kv_latent.shape[0], -1)
+    expected = sparse_mla_reference(p.q, p.kv_latent, dropped, p.softmax_scale)
+    torch.testing.assert_close(
+        sparse_mla_reference(p.q, p.kv_latent, ids, p.softmax_scale), expected
+    )
+    torch.testing.assert_close(
+        sparse_mla_triton(p.q, p.kv_latent, ids, p.softmax_scale), expected, rtol=1e-5, atol=1e-5
+    )

@@ -58,6 +58,13 @@ def forward_head_chunks(heads: int, supported: tuple[int, ...]) -> tuple[HeadChu
     return tuple(chunks)
 
 
+def ids_as_int32(topk_indices: torch.Tensor, keys: int) -> torch.Tensor:
+    """int32 ids with every invalid id (< 0 or >= keys) as -1, judged on the caller's dtype first so that
+    an int64 id such as 2**32 + 3 cannot wrap into a valid int32 id."""
+    valid = (topk_indices >= 0) & (topk_indices < keys)
+    return torch.where(valid, topk_indices.to(torch.int32), -1)
+
+
 def canonical_topk(
     topk_indices: torch.Tensor, keys: int, topk_length: torch.Tensor | None, multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +76,13 @@ def canonical_topk(
     """
     width = topk_indices.shape[-1]
     if topk_length is None:
-        ids = topk_indices.to(torch.int32)  # keys < 2**31: int32 keys sort faster than int64
-        valid = (ids >= 0) & (ids < keys)
+        ids = ids_as_int32(topk_indices, keys)  # int32 sorts faster than int64
+        valid = ids >= 0
         ordered = torch.where(valid, ids, keys).sort(dim=-1).values
         ids = ordered.masked_fill(ordered == keys, -1)
         lengths = valid.sum(dim=-1, dtype=torch.int32)
     else:
-        ids = topk_indices.to(torch.int32)
+        ids = ids_as_int32(topk_indices, keys)
         lengths = topk_length.clamp(0, width).to(torch.int32)
     padded = -(-width // multiple) * multiple
     if padded != width:

@@ -19,10 +19,10 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
             later slot is the sentinel `kv_length`.
         counts: int32 [batch, route_heads, queries], the prefix length to scan per row.
     """
-    ids = token_ids.to(torch.int32)
-    sentinel = torch.full((), kv_length, dtype=torch.int32, device=ids.device)
-    valid = (ids >= 0) & (ids < kv_length)
-    ids = torch.where(valid, ids, sentinel)
+    # validity on the caller's dtype: an int64 id such as 2**32 + 3 must not wrap into a valid int32 id
+    valid = (token_ids >= 0) & (token_ids < kv_length)
+    sentinel = torch.full((), kv_length, dtype=torch.int32, device=token_ids.device)
+    ids = torch.where(valid, token_ids.to(torch.int32), sentinel)
     if ids.shape[-1] > 1:
         tail, head = ids[..., 1:], ids[..., :-1]
         if not bool(((tail > head) | (tail == kv_length)).all()):

@@ -3,6 +3,7 @@
 import torch
 
 from sa_kernels._backend import resolve_backend
+from sa_mla.canonical import ids_as_int32
 from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
 from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.validation import check_sparse_mla_arguments
@@ -101,7 +102,7 @@ def sparse_mla_triton(
     resolve_backend(fn, "triton", q, kv_latent, topk_indices)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    ids = topk_indices[:, 0].to(torch.int32).contiguous()
+    ids = ids_as_int32(topk_indices[:, 0], kv_latent.shape[0]).contiguous()
     lengths = topk_length.to(torch.int32).contiguous() if topk_length is not None else None
     sink = attn_sink.contiguous() if attn_sink is not None else None
     return _SparseMlaTriton.apply(q, kv_latent, ids, float(softmax_scale), lengths, sink)
