@@ -9,6 +9,7 @@ from sa_cp import (
     gather_halo,
     gather_no_grad,
     gather_sequence,
+    group_rank_and_size,
     shard_sequence,
 )
 from sa_cp.testing import run_on_ranks
@@ -196,3 +197,16 @@ def test_shard_sequence_rejects_a_tensor_of_another_length():
 def test_gather_halo_rejects_halo_larger_than_the_shard():
     with pytest.raises(ValueError, match="halo must be"):
         gather_halo(torch.randn(1, 4, 2), 5)
+
+
+def _none_group_is_single_rank(rank, world_size):
+    x = torch.full((1, 3, 2), float(rank))
+    layout = ContextParallelLayout.create(6)
+    return layout.size, gather_sequence(x).shape, gather_no_grad(x).shape, group_rank_and_size(None)
+
+
+def test_group_none_is_the_single_rank_group_even_under_torch_distributed():
+    for size, gathered, no_grad, rank_size in run_on_ranks(2, _none_group_is_single_rank):
+        assert size == 1
+        assert gathered == no_grad == (1, 3, 2)
+        assert rank_size == (0, 1)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sa_cp import ContextParallelLayout, shard_sequence
 from sa_cp.testing import run_on_ranks
@@ -33,9 +34,8 @@ def _inputs(packed: bool):
 def _routes_on_rank(rank: int, world_size: int, packed: bool) -> torch.Tensor:
     indexer = small_indexer(torch.bfloat16)
     hidden, freqs, mask = _inputs(packed)
-    layout = ContextParallelLayout.create(
-        GLOBAL_LENGTH, multiple_of=3, pad=True, rank=rank, size=world_size
-    )
+    layout = ContextParallelLayout.create(GLOBAL_LENGTH, dist.group.WORLD, multiple_of=3, pad=True)
+    assert (layout.rank, layout.size) == (rank, world_size)
     ctx = QSAContextParallel.from_layout(
         layout, attention_mask=mask, cu_seqlens=torch.tensor(CU_SEQLENS) if packed else None
     )

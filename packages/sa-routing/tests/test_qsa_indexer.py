@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from sa_cp import ContextParallelLayout
 from sa_routing import (
     QSAContextParallel,
     QSAIndexer,
@@ -176,10 +177,12 @@ def test_packed_forward_rejects_mask_and_non_increasing_bounds():
 
 
 def test_context_parallel_context_validates_the_shard():
-    with pytest.raises(ValueError, match="contiguous"):
-        QSAContextParallel(None, 1, 2, 0, 12, 24)
-    with pytest.raises(ValueError, match="global_length"):
-        QSAContextParallel(None, 0, 2, 0, 12, 25)
+    with pytest.raises(ValueError, match="must cover global_length"):
+        QSAContextParallel(ContextParallelLayout(rank=0, size=2, global_length=25, local_length=12))
+    with pytest.raises(TypeError, match="ContextParallelLayout"):
+        QSAContextParallel((0, 2, 24, 12))
+    with pytest.raises(ValueError, match="sequence_lengths must lie"):
+        QSAContextParallel(ContextParallelLayout(0, 2, 24, 12), sequence_lengths=(25,))
     ctx = QSAContextParallel.create(
         12, global_length=10, attention_mask=torch.tensor([[1] * 7 + [0] * 3])
     )

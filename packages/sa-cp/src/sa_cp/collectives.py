@@ -1,7 +1,7 @@
 """Sequence collectives over any torch.distributed group (gloo on CPU, NCCL on GPU).
 
-`group=None` means the default group when torch.distributed is initialised, and a single rank (identity)
-when it is not, so the same model code runs with and without context parallelism.
+`group=None` is the single-rank group (every collective is the identity), as in `ContextParallelLayout`;
+pass `torch.distributed.group.WORLD` for the default group.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+from .groups import group_rank_and_size
 
 
 @dataclass(frozen=True)
@@ -24,6 +21,7 @@ class ContextParallelLayout:
         global_length: tokens in the unpadded global sequence.
         local_length: tokens per shard (`L`), a multiple of `multiple_of`.
         multiple_of: the compression unit every shard length must be a multiple of.
+        group: the process group the shards live on (`None`: a layout planned without one).
     """
 
     rank: int
@@ -31,6 +29,7 @@ class ContextParallelLayout:
     global_length: int
     local_length: int
     multiple_of: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -58,6 +57,10 @@ class ContextParallelLayout:
                 f"global_length ({self.global_length})"
             )
 
+    def __reduce__(self):
+        # A process group belongs to one process: a pickled layout travels without it.
+        return (type(self), (self.rank, self.size, self.global_length, self.local_length, self.multiple_of))
+
     @classmethod
     def create(
         cls,
@@ -82,7 +85,7 @@ class ContextParallelLayout:
             ValueError: the length does not split into `size` shards that are multiples of
                 `multiple_of` (and `pad` is False), the rank is out of range, sizes are not positive.
         """
-        group_rank, group_size = _group_rank_and_size(group)
+        group_rank, group_size = group_rank_and_size(group)
         rank = group_rank if rank is None else rank
         size = group_size if size is None else size
         if size < 1:
@@ -98,7 +101,7 @@ class ContextParallelLayout:
                 f"size * multiple_of ({size} * {multiple_of} = {unit}); pass pad=True to pad the tail"
             )
         local_length = -(-global_length // unit) * multiple_of
-        return cls(rank, size, global_length, local_length, multiple_of)
+        return cls(rank, size, global_length, local_length, multiple_of, group)
 
     @property
     def padded_length(self) -> int:

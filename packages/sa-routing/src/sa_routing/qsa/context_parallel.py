@@ -10,21 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from sa_cp import ContextParallelLayout, group_rank_and_size
 
 from .lengths import _right_padded_lengths_host, validate_cu_seqlens
 
 _OP = "QSAContextParallel"
-
-
-def _rank_and_size(group: Any | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise RuntimeError(
-                f"{_OP}: a process group was given but torch.distributed is not initialised"
-            )
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 @dataclass(frozen=True)
@@ -32,42 +23,21 @@ class QSAContextParallel:
     """This rank's contiguous query shard and the global facts its routes depend on.
 
     Attributes:
-        group: the context-parallel process group (`None`: the default group, or a single rank when
-            torch.distributed is not initialised).
-        rank: this rank's index in `group`.
-        size: ranks in `group`.
-        local_start: global position of this rank's first token; must be `rank * local_length`.
-        local_length: tokens per shard; a multiple of the indexer's compress ratio.
-        global_length: real tokens in the global sequence (`<= size * local_length`; the rest is padding).
+        layout: the shard (`sa_cp.ContextParallelLayout`: group, rank, size, local_start, local_length,
+            global_length = real tokens in the global sequence, padded_length).
         sequence_lengths: global per-batch-row lengths (right padding), or `None` (every row has
             `global_length` tokens).
         cu_seqlens: global packed-document boundaries (batch 1), or `None`.
     """
 
-    group: Any | None
-    rank: int
-    size: int
-    local_start: int
-    local_length: int
-    global_length: int
+    layout: ContextParallelLayout
     sequence_lengths: tuple[int, ...] | None = None
     cu_seqlens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(
-                f"{_OP}: rank must lie in [0, size) with size >= 1; got rank {self.rank}, size {self.size}"
-            )
-        if self.local_length < 1:
-            raise ValueError(f"{_OP}: local_length must be positive; got {self.local_length}")
-        if self.local_start != self.rank * self.local_length:
-            raise ValueError(
-                f"{_OP}: shards must be contiguous and equal: local_start must be rank * local_length = "
-                f"{self.rank} * {self.local_length} = {self.rank * self.local_length}; got {self.local_start}"
-            )
-        if not 0 < self.global_length <= self.padded_length:
-            raise ValueError(
-                f"{_OP}: global_length must lie in (0, size * local_length = {self.padded_length}]; got {self.global_length}"
+        if not isinstance(self.layout, ContextParallelLayout):
+            raise TypeError(
+                f"{_OP}: layout must be an sa_cp.ContextParallelLayout; got {type(self.layout).__name__}"
             )
         if self.sequence_lengths is not None and self.cu_seqlens is not None:
             raise ValueError(
@@ -82,10 +52,13 @@ class QSAContextParallel:
         if self.cu_seqlens is not None:
             validate_cu_seqlens(_OP, self.cu_seqlens, self.global_length)
 
-    @property
-    def padded_length(self) -> int:
-        """`size * local_length`: the global length the shards cover, padding included."""
-        return self.size * self.local_length
+    group = property(lambda self: self.layout.group)
+    rank = property(lambda self: self.layout.rank)
+    size = property(lambda self: self.layout.size)
+    local_start = property(lambda self: self.layout.local_start)
+    local_length = property(lambda self: self.layout.local_length)
+    global_length = property(lambda self: self.layout.global_length)
+    padded_length = property(lambda self: self.layout.padded_length)
 
     @classmethod
     def create(
@@ -97,61 +70,51 @@ class QSAContextParallel:
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
     ) -> QSAContextParallel:
-        """The context of this rank, read off `group`.
+        """The context of this rank in `group` (`None`: a single rank; `dist.group.WORLD`: every rank).
 
         Args:
             local_length: tokens per shard.
-            group: the context-parallel group (see the class attributes).
             global_length: real global tokens; defaults to `size * local_length`.
             attention_mask: the GLOBAL right-padding mask [batch, global_length or padded_length] (0/1).
             cu_seqlens: GLOBAL packed-document boundaries (batch 1).
         Raises:
-            ValueError: a rule of the class attributes fails, or the mask is not a right-padded binary mask.
+            ValueError: the shard does not cover the global length, or the mask is not a right-padded
+                binary mask, or the boundaries are invalid.
         """
-        rank, size = _rank_and_size(group)
+        rank, size = group_rank_and_size(group)
         total = size * local_length if global_length is None else global_length
-        lengths = None
-        if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[1] not in (
-                total,
-                size * local_length,
-            ):
-                raise ValueError(
-                    f"{_OP}.create: attention_mask must be the global [batch, {total}] padding mask; "
-                    f"got shape {tuple(attention_mask.shape)}"
-                )
-            host = _right_padded_lengths_host(
-                f"{_OP}.create", attention_mask, *attention_mask.shape
-            )
-            lengths = tuple(min(x, total) for x in host)
-        bounds = (
-            None if cu_seqlens is None else validate_cu_seqlens(f"{_OP}.create", cu_seqlens, total)
-        )
-        return cls(group, rank, size, rank * local_length, local_length, total, lengths, bounds)
+        layout = ContextParallelLayout(rank, size, total, local_length, group=group)
+        return cls.from_layout(layout, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
 
     @classmethod
     def from_layout(
         cls,
-        layout: Any,
+        layout: ContextParallelLayout,
         *,
-        group: Any | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
     ) -> QSAContextParallel:
-        """The context matching an `sa_cp.ContextParallelLayout` (fields rank, size, local_length, global_length)."""
-        ctx = cls.create(
-            layout.local_length,
-            group=group,
-            global_length=layout.global_length,
-            attention_mask=attention_mask,
-            cu_seqlens=cu_seqlens,
-        )
-        if (ctx.rank, ctx.size) != (layout.rank, layout.size):
-            raise ValueError(
-                f"{_OP}.from_layout: the layout's rank/size ({layout.rank}, {layout.size}) differ from the "
-                f"group's ({ctx.rank}, {ctx.size})"
+        """The context of an `sa_cp.ContextParallelLayout` (its group is the one keys are gathered on)."""
+        lengths = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[1] not in (
+                layout.global_length,
+                layout.padded_length,
+            ):
+                raise ValueError(
+                    f"{_OP}.create: attention_mask must be the global [batch, {layout.global_length}] padding "
+                    f"mask; got shape {tuple(attention_mask.shape)}"
+                )
+            host = _right_padded_lengths_host(
+                f"{_OP}.create", attention_mask, *attention_mask.shape
             )
-        return ctx
+            lengths = tuple(min(x, layout.global_length) for x in host)
+        bounds = (
+            None
+            if cu_seqlens is None
+            else validate_cu_seqlens(f"{_OP}.create", cu_seqlens, layout.global_length)
+        )
+        return cls(layout, lengths, bounds)
 
     def check_compress_ratio(self, op: str, compress_ratio: int) -> None:
         """Raise unless every shard holds whole compressed blocks."""
