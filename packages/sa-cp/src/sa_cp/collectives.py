@@ -9,16 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise RuntimeError(
-                "sa_cp: a process group was given but torch.distributed is not initialised"
-            )
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
+from .groups import group_rank_and_size as _world
 
 _MAX_DIMS = 8
 

@@ -59,7 +59,10 @@ class ContextParallelLayout:
 
     def __reduce__(self):
         # A process group belongs to one process: a pickled layout travels without it.
-        return (type(self), (self.rank, self.size, self.global_length, self.local_length, self.multiple_of))
+        return (
+            type(self),
+            (self.rank, self.size, self.global_length, self.local_length, self.multiple_of),
+        )
 
     @classmethod
     def create(
