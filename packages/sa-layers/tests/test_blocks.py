@@ -34,6 +34,14 @@ def test_step5_rms_norm_matches_the_formula_and_rounds_once(dtype):
     torch.testing.assert_close(y, expected, rtol=2**-7, atol=1e-6)
 
 
+def test_step5_rms_norm_weight_stays_fp32_when_the_model_moves_to_bf16():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Step5RMSNorm(8, output_dtype=torch.bfloat16))
+    model.to(torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32
+    assert model(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_step5_rms_norm_trains_its_weight():
     norm = Step5RMSNorm(16)
     x = torch.randn(4, 16, requires_grad=True)

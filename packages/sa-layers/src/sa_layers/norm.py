@@ -29,6 +29,13 @@ class Step5RMSNorm(nn.Module):
         # zero-centred: a zero weight is the identity scale, as checkpoints store it
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
 
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` would round the scale: the weight stays FP32 (SEMANTICS §1.1).
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.output_dtype)
 
