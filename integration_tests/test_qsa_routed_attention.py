@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sa_cp import RecomputeReplay, checkpoint_context_fn, gather_sequence, route_selection_region
+from sa_cp import RecomputeReplay, checkpoint_context_fn, gather_sequence
 from sa_cp.testing import run_on_ranks
 from sa_kernels import sparse_gqa_attention
 from sa_routing import QSAContextParallel
@@ -19,8 +19,16 @@ SEQUENCE = 48  # compress ratio 3, budget 12: rows from position 14 on are spars
 class RoutedQSAAttention(nn.Module):
     """A minimal QSA attention layer: frozen indexer routes, trainable q/k/v projections."""
 
-    def __init__(self, seed: int = 0, heads: int = 4, kv_heads: int = 2, head_dim: int = 8) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 8,
+        backend: str = "reference",
+    ) -> None:
         super().__init__()
+        self.backend = backend  # "gather" runs the Triton kernels (interpreted on CPU)
         self.indexer = small_indexer(torch.float32, seed=seed)
         hidden = self.indexer.config.hidden_size
         torch.manual_seed(seed + 1)
@@ -33,14 +41,7 @@ class RoutedQSAAttention(nn.Module):
         )
 
     def routes(self, hidden, freqs, cp):
-        binding = QSA_ROUTES.current()
-        ids = binding.recorder.take() if binding is not None and binding.mode == "replay" else None
-        if ids is None:
-            with route_selection_region(), torch.no_grad():
-                ids = self.indexer(hidden, freqs, cp_context=cp)
-            if binding is not None and binding.mode == "record":
-                binding.recorder.record(ids)
-        return ids
+        return QSA_ROUTES.select_or_replay(lambda: self.indexer(hidden, freqs, cp_context=cp))
 
     def forward(self, hidden, freqs, cp=None):
         heads, kv_heads, head_dim = self.shape
@@ -51,7 +52,7 @@ class RoutedQSAAttention(nn.Module):
         if cp is not None:
             kv = gather_sequence(kv, group=cp.group)
         key, value = kv.view(batch, kv.shape[1], 2, kv_heads, head_dim).unbind(2)
-        return sparse_gqa_attention(query, key, value, ids, backend="reference")
+        return sparse_gqa_attention(query, key, value, ids, backend=self.backend)
 
 
 def inputs(batch: int = 2, seed: int = 3):
@@ -79,8 +80,12 @@ def dense_masked_attention(layer: RoutedQSAAttention, hidden, ids):
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def test_routes_are_causal_and_attention_matches_a_dense_mask_of_the_routes():
-    layer = RoutedQSAAttention()
+BACKENDS = pytest.mark.parametrize("backend", ["reference", "gather"])
+
+
+@BACKENDS
+def test_routes_are_causal_and_attention_matches_a_dense_mask_of_the_routes(backend):
+    layer = RoutedQSAAttention(backend=backend)
     hidden, freqs, _ = inputs()
     ids = layer.routes(hidden, freqs, None)
     positions = torch.arange(SEQUENCE)[None, :, None]
@@ -148,13 +153,16 @@ def _sharded_step(rank, world_size, layer, hidden, freqs, weight):
     return out.detach(), layer.q_proj.weight.grad, layer.kv_proj.weight.grad
 
 
+@BACKENDS
 @pytest.mark.parametrize("world_size", [2, 4], ids=["2ranks", "4ranks"])
-def test_context_parallel_shards_match_the_single_process_layer(world_size):
-    layer = RoutedQSAAttention()
+def test_context_parallel_shards_match_the_single_process_layer(world_size, backend):
+    layer = RoutedQSAAttention(backend=backend)
     hidden, freqs, weight = inputs()
     expected = layer(hidden, freqs)
     (expected * weight).sum().backward()
-    results = run_on_ranks(world_size, _sharded_step, RoutedQSAAttention(), hidden, freqs, weight)
+    results = run_on_ranks(
+        world_size, _sharded_step, RoutedQSAAttention(backend=backend), hidden, freqs, weight
+    )
     local = SEQUENCE // world_size
     for rank, (out, _, _) in enumerate(results):
         torch.testing.assert_close(out, expected[:, rank * local : (rank + 1) * local].detach())

@@ -1,6 +1,6 @@
 """Recompute replay: routes chosen once in the forward are replayed when checkpointing reruns a layer.
 
-A routed layer follows one pattern (SEMANTICS §4)::
+A routed layer follows one pattern (SEMANTICS §4), which `RecomputeReplay.select_or_replay` implements::
 
     binding = ROUTES.current()
     entry = binding.recorder.take() if binding is not None and binding.mode == "replay" else None
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
+import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 T = TypeVar("T")
@@ -104,6 +105,23 @@ class RecomputeReplay(Generic[T]):
             yield binding
         finally:
             stack.pop()
+
+    def select_or_replay(self, select: Callable[[], T]) -> T:
+        """The routed-layer pattern: the recorded entry in replay mode, else `select()` (recorded in record mode).
+
+        `select` runs under `no_grad` inside `route_selection_region()`; a replay miss (no entry left) is
+        counted by the recorder and selects again, so a miss is never wrong.
+        """
+        binding = self.current()
+        entry = (
+            binding.recorder.take() if binding is not None and binding.mode == "replay" else None
+        )
+        if entry is None:
+            with route_selection_region(), torch.no_grad():
+                entry = select()
+            if binding is not None and binding.mode == "record":
+                binding.recorder.record(entry)
+        return entry
 
     def checkpoint_context_fn(self, context_fn: ContextFactory | None = None) -> ContextFactory:
         """A `context_fn` for `torch.utils.checkpoint.checkpoint` that records and replays this channel."""

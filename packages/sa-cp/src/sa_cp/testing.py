@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .replay import RecomputeReplay, route_selection_region
+from .replay import RecomputeReplay
 
 
 def _rank_main(
@@ -106,13 +106,7 @@ class ToyRoutedLayer(nn.Module):
         return (-scores if self.flip_router else scores).topk(self.k, dim=-1).indices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        binding = TOY_ROUTES.current()
-        ids = binding.recorder.take() if binding is not None and binding.mode == "replay" else None
-        if ids is None:
-            with route_selection_region(), torch.no_grad():
-                ids = self.select(x)
-            if binding is not None and binding.mode == "record":
-                binding.recorder.record(ids)
+        ids = TOY_ROUTES.select_or_replay(lambda: self.select(x))
         h = self.proj(x)
         picked = h.gather(1, ids[..., None].expand(-1, -1, h.size(-1)))
         return x + torch.softmax(h @ picked.transpose(1, 2), dim=-1) @ picked
