@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from sa_kernels._backend import triton_interpret
+
 from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
 from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
@@ -193,10 +195,11 @@ def sparse_gqa_attention(
         )
     if backend == "flex" and not on_cuda:
         raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
-    if backend == "gather" and not on_cuda:
-        from sa_kernels._backend import resolve_backend
-
-        resolve_backend(fn, "triton", query)  # raises without TRITON_INTERPRET=1
+    if backend == "gather" and not on_cuda and not triton_interpret():
+        raise RuntimeError(
+            f"{fn}: backend='gather' on {query.device} tensors needs TRITON_INTERPRET=1 (Triton's "
+            "interpreter); use CUDA tensors or backend='reference'"
+        )
     if block_mask is None:
         block_mask = build_route_block_mask(
             token_ids,
