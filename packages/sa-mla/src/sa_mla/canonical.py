@@ -81,8 +81,10 @@ def canonical_topk(
         ordered = torch.where(valid, ids, keys).sort(dim=-1).values
         ids = ordered.masked_fill(ordered == keys, -1)
         lengths = valid.sum(dim=-1, dtype=torch.int32)
-    else:
-        ids = ids_as_int32(topk_indices, keys)
+    else:  # the kernels skip invalid ids inside the prefix: only a wrapping int64 id needs mapping
+        ids = (
+            topk_indices if topk_indices.dtype == torch.int32 else ids_as_int32(topk_indices, keys)
+        )
         lengths = topk_length.clamp(0, width).to(torch.int32)
     padded = -(-width // multiple) * multiple
     if padded != width:
@@ -111,14 +113,20 @@ def row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return (out.to(compute) * dout.to(compute)).sum(dim=-1)
 
 
-def sink_gradient_from_lse(
-    attn_sink: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor
-) -> torch.Tensor:
-    """d_sink [H] = -sum_q sigmoid(sink - lse) * sum_d dO * O; rows with lse = +inf add nothing."""
+def sink_gradient(attn_sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d_sink [H] = -sum_q sigmoid(sink - lse) * delta, delta [T, H] = sum_d dO * O, lse [T, H] the keys'
+    natural-log lse (sink excluded); rows with lse = +inf (no valid id) add nothing."""
     compute = torch.promote_types(lse.dtype, torch.float32)
     weight = torch.sigmoid(attn_sink.to(compute)[None, :] - lse.to(compute))
     weight = torch.where(torch.isposinf(lse), 0.0, weight)
-    return -(weight * row_dot(out, dout).to(compute)).sum(dim=0).to(attn_sink.dtype)
+    return -(weight * delta.to(compute)).sum(dim=0).to(attn_sink.dtype)
+
+
+def sink_gradient_from_lse(
+    attn_sink: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor
+) -> torch.Tensor:
+    """`sink_gradient` with delta computed from the output and its gradient."""
+    return sink_gradient(attn_sink, lse, row_dot(out, dout))
 
 
 def backward_rows(

@@ -3,7 +3,7 @@
 import torch
 
 from sa_kernels._backend import resolve_backend
-from sa_mla.canonical import ids_as_int32
+from sa_mla.canonical import ids_as_int32, sink_gradient
 from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
 from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.validation import check_sparse_mla_arguments
@@ -14,16 +14,6 @@ def lse_with_sink(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Te
     if attn_sink is None:
         return lse
     return torch.logaddexp(lse, attn_sink.float()[None, :])
-
-
-def sink_gradient(attn_sink: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """d_sink [H] = -sum_q sigmoid(sink - lse) * delta, with delta = sum_d dO * O and lse the keys' lse.
-
-    Rows with no valid id have lse = +inf and add nothing.
-    """
-    weight = torch.sigmoid(attn_sink.float()[None, :] - lse)
-    weight = torch.where(torch.isinf(lse) & (lse > 0), 0.0, weight)
-    return -(weight * delta).sum(dim=0).to(attn_sink.dtype)
 
 
 class _SparseMlaTriton(torch.autograd.Function):
