@@ -2,22 +2,21 @@
 
 `torch.topk` orders ties arbitrarily, so ties are made explicit: every top-k call here sees keys
 whose winners are distinct, and the selected set is exactly (score descending, region id ascending).
+The "threshold" method is `sa_kernels.stable_topk` on the running candidates, whose ids ascend with
+their position (kept ids come back ascending and precede the next chunk's regions).
 """
 
 from collections.abc import Callable
 
 import torch
 
-from sa_kernels import indexer_score_tile
+from sa_kernels import indexer_score_tile, stable_topk
 
 from .layouts import RegionMetadata, ScoreTile
 
 _LOW = 2**32
 _ID_FLIP = 2**31 - 1
 _MASKED = torch.iinfo(torch.int64).min
-_TIE_BASE = 2**30
-_INT32_MAX = torch.iinfo(torch.int32).max
-_INT32_MIN = torch.iinfo(torch.int32).min
 METHODS = ("threshold", "composite")
 
 
@@ -159,7 +158,9 @@ def _tile_topk(
         if scores.shape[-1] <= topk:
             best_scores, best_ids = scores, ids.expand_as(scores)
             continue
-        chosen = _threshold_topk(scores, ids, topk)
+        # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
+        # lowest position among tied scores is the lowest region id
+        chosen = stable_topk(scores, topk)
         best_scores = scores.gather(-1, chosen)
         best_ids = ids[chosen] if ids.dim() == 1 else ids.gather(-1, chosen)
     if method == "composite":
@@ -171,23 +172,6 @@ def _tile_topk(
             best_ids, (0, topk - best_ids.shape[-1]), value=metadata.region_count
         )
     return best_ids
-
-
-def _threshold_topk(scores: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the k best entries per row by (score descending, id ascending).
-
-    ids: the region id of every entry, full-shape or 1-D (broadcast over rows); distinct per row, < 2**30.
-
-    A float top-k finds the k-th best score t. Every score above t is kept; among scores equal to t
-    an int32 top-k keeps the smallest ids. Both top-k calls see distinct winners, so the set does not
-    depend on how `torch.topk` orders ties.
-    """
-    threshold = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    tie_key = _TIE_BASE - ids.to(torch.int32)
-    keys = torch.where(
-        scores > threshold, _INT32_MAX, torch.where(scores == threshold, tie_key, _INT32_MIN)
-    )
-    return torch.topk(keys, k, dim=-1, sorted=False).indices
 
 
 def _composite_keys(

@@ -1,8 +1,15 @@
 """`select_qsa_token_ids`: top-k compressed blocks per query, expanded to token ids (SEMANTICS §2).
 
-`reference.py` is the oracle (full stable sort per row); `chunked.py` is the path every call takes
-(pure PyTorch on CPU and CUDA: causal-trimmed chunks, threshold top-k with a deterministic
-tie-break, no sort). Both rank blocks from the same FP32 scores and return the same routes.
+`reference.py` is the oracle: FP64 block scores rounded once to FP32, a full stable sort per row;
+it defines the exact selection. `chunked.py` is the path every call takes (causal-trimmed chunks,
+`sa_kernels.stable_topk`, no sort of a row) with one of two scorers:
+- CUDA (`backend="auto"`/`"triton"`): the Triton kernel of `triton_scores.py`, FP32 accumulation as
+  SEMANTICS §2 and the reference models score. Its routes equal the oracle's except at near-ties:
+  a block may differ only where its exact score is within FP32 rounding of the k-th best score.
+- CPU (`"auto"`/`"reference"`): the oracle's FP64 scores, so the routes equal the oracle's bit for bit.
+**SEMANTICS deviation (documented):** §2 says block scores are FP32; the oracle scores in FP64 (the
+exact selection, independent of summation order), the GPU path in FP32 (the reference models'
+precision); they agree except at near-ties.
 """
 
 from __future__ import annotations
@@ -62,14 +69,20 @@ def select_qsa_token_ids(
     query_position_offset: int = 0,
     global_sequence_length: int | None = None,
     cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Top `token_budget / compress_ratio` compressed blocks per query, expanded to token ids.
 
     Row `i` is the query at global position `p = query_position_offset + i`; it sees `v = (p + 1) // c`
     complete blocks. Dense rows (`v <= budget / c`) take every visible block; sparse rows take the best
-    `budget / c` blocks by `Σ_h relu(q_h · k_b) / sqrt(D)` (FP32), ties to the lower block id. Blocks are
+    `budget / c` blocks by `Σ_h relu(q_h · k_b) / sqrt(D)`, ties to the lower block id. Blocks are
     emitted ascending, each as tokens `b*c … b*c + c − 1`, then the tail tokens `v*c … p`; the rest is -1.
     A dense row is exactly `0 … p`. Rows at or past their row's length are all -1.
+
+    Scores: on CUDA a Triton kernel accumulates in FP32 (bf16/fp16 operands when queries and keys
+    share that dtype, FP32 otherwise), so rows may differ from the FP64 oracle
+    (`reference.select_qsa_token_ids_reference`) at near-ties only; on CPU the scores are the
+    oracle's FP64 ones rounded to FP32 and the routes equal the oracle's bit for bit.
 
     Args:
         index_queries: [batch, local_queries, index_heads, index_dim] floating, normalised and rotated.
@@ -87,6 +100,8 @@ def select_qsa_token_ids(
         cu_seqlens: packed documents (batch 1), global boundaries `0 = cu[0] < … <= global length`:
             every document is routed on its own, positions and blocks restart at its start, and its ids
             are offset by its start, so routes never leave their document.
+        backend: the block scorer: "auto" (Triton on CUDA, the FP64 scores on CPU), "triton" (on CPU
+            through Triton's interpreter, needs `TRITON_INTERPRET=1`) or "reference" (FP64 on any device).
     Returns:
         int32 [batch, local_queries, token_budget + compress_ratio - 1]: global token ids, valid ids
         first (ascending), then -1.
@@ -94,8 +109,9 @@ def select_qsa_token_ids(
         ValueError: shapes disagree, `token_budget % compress_ratio != 0`, `compress_ratio <= 1`,
             lengths outside `[0, global_sequence_length]`, too few blocks for the longest row
             (`blocks < max(length // c)`), inconsistent offset/global length, bad `cu_seqlens`
-            (not increasing, batch != 1, given with `sequence_lengths`).
+            (not increasing, batch != 1, given with `sequence_lengths`), an unknown `backend`.
         TypeError: non-floating queries or keys, non-integer lengths or budget.
+        RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     validate_route_arguments(_OP, token_budget, compress_ratio, query_chunk_size)
     if index_queries.dim() != 4:
@@ -189,5 +205,6 @@ def select_qsa_token_ids(
         token_budget=token_budget,
         compress_ratio=c,
         query_chunk_size=query_chunk_size,
+        backend=backend,
     )
     return out.view(batch, rows, width)

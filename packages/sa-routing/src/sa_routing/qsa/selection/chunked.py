@@ -1,13 +1,18 @@
-"""The fast path of QSA route selection: pure PyTorch, chunked, causal-trimmed, no full sort.
+"""The fast paths of QSA route selection: chunked, causal-trimmed, no full sort.
 
 Rows come in segments (a run of query rows of one batch row or one packed document, with
 consecutive document positions and one block range). Per segment, dense rows (`v <= budget/c`)
 are written arithmetically without scoring; sparse rows are scored in chunks against only the
-blocks the chunk's last row can see, and the top `budget/c` blocks are found by a threshold
-(`topk` gives the k-th score exactly) plus a deterministic tie-break: every block above the
-threshold, then the lowest-id blocks equal to it. Block ids come out ascending via a prefix count
-and `searchsorted`, so no row is ever sorted. Scores come from `reference.qsa_block_scores`, the
-oracle's own (order-independent) arithmetic, so both paths return the same routes bit for bit.
+blocks the chunk's last row can see, and the top `budget/c` blocks come from
+`sa_kernels.stable_topk` (score descending, block id ascending; no sort of a row), ascending.
+
+Two scorers (SEMANTICS §2 says block scores are FP32):
+- "triton" (CUDA by default): `triton_scores.qsa_block_scores_triton`, FP32 accumulation of BF16/FP32
+  operands with the causal mask in the kernel, the precision of the reference models. Its routes
+  equal the FP64 oracle's except at near-ties (blocks whose exact scores differ by FP32 rounding).
+- "reference" (CPU by default): `reference.qsa_block_scores`, the oracle's own order-independent FP64
+  arithmetic rounded once to FP32, so the routes equal the oracle's bit for bit.
+Either way a (row, block) score never depends on the chunk, so chunking never changes the routes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sa_kernels import stable_topk
+from sa_kernels._backend import resolve_backend
+
 from .reference import qsa_block_scores
 
 SCORE_TEMP_BUDGET_BYTES = 256 * 1024 * 1024
@@ -24,7 +32,12 @@ SCORE_TEMP_BUDGET_BYTES = 256 * 1024 * 1024
 
 _TEMP_BYTES_PER_SCORE = 24
 """Upper bound of the temporaries alive per scored (row, block): FP64 sum and head product while
-scoring (16), then FP32 scores, boolean masks and int32 prefix counts while selecting (< 16)."""
+scoring (16), then FP32 scores, int32 top-k keys and a boolean mask while selecting (< 16)."""
+_TRITON_TEMP_BYTES_PER_SCORE = 16
+"""The same bound on the Triton path: FP32 scores, int32 top-k keys, a boolean mask (9), with room
+for the top-k passes' scratch and the chunk's queries."""
+_TEMP_BYTES_PER_KEPT = 32
+"""Per row and kept block: the top-k values, indices and sorted indices."""
 
 
 @dataclass(frozen=True)
@@ -87,24 +100,14 @@ def _dense_rows(position: torch.Tensor, token_start: int, width: int) -> torch.T
 def _top_blocks(scores: torch.Tensor, visible: torch.Tensor, kept: int) -> torch.Tensor:
     """Ascending ids of the `kept` best visible blocks per row (score descending, id ascending)."""
     columns = torch.arange(scores.shape[1], device=scores.device)
-    scores.masked_fill_(columns >= visible[:, None], -1.0)  # real scores are >= 0
-    threshold = scores.topk(kept, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
-    above = scores > threshold
-    still_needed = kept - above.sum(dim=1, keepdim=True, dtype=torch.int32)
-    tied = scores == threshold
-    del scores
-    chosen = tied.logical_and_(tied.cumsum(dim=1, dtype=torch.int32) <= still_needed).logical_or_(
-        above
-    )
-    del above
-    rank = chosen.cumsum(dim=1, dtype=torch.int32)
-    del chosen
-    wanted = (
-        torch.arange(1, kept + 1, dtype=torch.int32, device=rank.device)
-        .expand(rank.shape[0], kept)
-        .contiguous()
-    )
-    return torch.searchsorted(rank, wanted)
+    scores.masked_fill_(columns >= visible[:, None], float("-inf"))
+    return stable_topk(scores, kept)
+
+
+def _chunk_rows(columns: int, kept: int, bytes_per_score: int) -> int:
+    """Rows per chunk that keep one chunk's score temporaries within `SCORE_TEMP_BUDGET_BYTES`."""
+    per_row = columns * bytes_per_score + kept * _TEMP_BYTES_PER_KEPT
+    return max(1, SCORE_TEMP_BUDGET_BYTES // per_row)
 
 
 def _sparse_rows(
@@ -131,6 +134,7 @@ def select_segments(
     token_budget: int,
     compress_ratio: int,
     query_chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> None:
     """Write every segment's routes into `out`; rows outside the segments are left as they are.
 
@@ -140,13 +144,23 @@ def select_segments(
         keys: [blocks, dim], flattened over batch rows or documents.
         out: int32 [flat rows, token_budget + compress_ratio - 1], already -1 where no segment writes.
         query_chunk_size: rows per chunk; `None` keeps the score temporaries within 256 MiB.
+        backend: the scorer: "auto" (Triton on CUDA, FP64 reference on CPU), "triton" (on CPU through
+            Triton's interpreter, `TRITON_INTERPRET=1`) or "reference".
     """
     c = compress_ratio
     kept = token_budget // c
     width = token_budget + c - 1
     dense_limit = (kept + 1) * c - 1  # positions below it see at most `kept` blocks
     device = out.device
-    keys = keys.double()  # once, not per chunk (qsa_block_scores scores in FP64)
+    use_triton = resolve_backend("select_qsa_token_ids", backend, keys, out) == "triton"
+    if use_triton:
+        from .triton_scores import qsa_block_scores_triton, score_dtype
+
+        operand = None  # the kernel's operand dtype, fixed by the first chunk's queries
+        bytes_per_score = _TRITON_TEMP_BYTES_PER_SCORE
+    else:
+        keys = keys.double()  # once, not per chunk (qsa_block_scores scores in FP64)
+        bytes_per_score = _TEMP_BYTES_PER_SCORE
     dense_chunk = query_chunk_size or max(1, SCORE_TEMP_BUDGET_BYTES // (width * 8))
     for seg in segments:
         dense = min(max(dense_limit - seg.first_position, 0), seg.rows)
@@ -161,9 +175,7 @@ def select_segments(
         if dense == seg.rows:
             continue
         most_visible = (seg.first_position + seg.rows) // c
-        chunk = query_chunk_size or max(
-            1, SCORE_TEMP_BUDGET_BYTES // (most_visible * _TEMP_BYTES_PER_SCORE)
-        )
+        chunk = query_chunk_size or _chunk_rows(most_visible, kept, bytes_per_score)
         for start in range(dense, seg.rows, chunk):
             stop = min(start + chunk, seg.rows)
             position = seg.first_position + torch.arange(
@@ -172,9 +184,21 @@ def select_segments(
             columns = (seg.first_position + stop) // c  # blocks the chunk's last row can see
             queries = queries_for(seg.row_start + start, seg.row_start + stop)
             window = keys[seg.block_start : seg.block_start + columns]
-            # the scores are handed over, not kept: _top_blocks frees them as soon as it can
-            blocks = _top_blocks(qsa_block_scores(queries, window), (position + 1) // c, kept)
-            del queries
+            if use_triton:
+                if operand is None:
+                    operand = score_dtype(queries, keys)
+                    keys = keys.to(operand).contiguous()
+                    window = keys[seg.block_start : seg.block_start + columns]
+                scores = qsa_block_scores_triton(
+                    queries.to(operand).contiguous(), window, seg.first_position + start, c
+                )
+                del queries
+                blocks = stable_topk(scores, kept)  # the kernel already masked invisible blocks
+                del scores
+            else:
+                # handed over, not kept: _top_blocks masks the scores in place and frees them
+                blocks = _top_blocks(qsa_block_scores(queries, window), (position + 1) // c, kept)
+                del queries
             out[seg.row_start + start : seg.row_start + stop] = _sparse_rows(
                 blocks, position, seg.token_start, c
             )

@@ -22,7 +22,10 @@ def qsa_block_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     any realistic spread of magnitudes, so the score does not depend on the GEMM's summation order.
     That is what makes routes independent of the chunk size, of the matrix shapes a chunk produces
     (a one-row chunk runs a GEMV) and of the device, while being at least as accurate as FP32
-    accumulation. Shared by the oracle and the chunked path.
+    accumulation. Shared by the oracle and the CPU path. **SEMANTICS deviation:** §2 says FP32 scores;
+    this FP64 arithmetic defines the exact selection, while the GPU path
+    (`triton_scores.qsa_block_scores_triton`) accumulates in FP32 like the reference models and agrees
+    with it except at near-ties.
 
     Args:
         queries: [rows, heads, dim] floating.
@@ -133,3 +136,47 @@ def select_qsa_token_ids_packed_reference(
         out[:, start:stop] = torch.where(ids >= 0, ids + start, -1)
         first_block += blocks
     return out
+
+
+def rows_differing_beyond_near_ties(
+    index_queries: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    routes: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    token_budget: int,
+    compress_ratio: int,
+    query_position_offset: int = 0,
+    relative_tolerance: float = 1e-5,
+) -> list[tuple[int, int]]:
+    """(batch, row) of every row where `routes` differ from `expected` by more than near-ties.
+
+    For right-padded (not packed) routes of the same queries and keys. A differing row is accepted
+    only if it is sparse, its tail is the same, and every block in one selection but not the other
+    has an exact (FP64, unrounded) score within `relative_tolerance` of the row's k-th best exact
+    score: two scorers that round differently may only disagree there.
+
+    Args:
+        index_queries: [batch, queries, heads, dim]; compressed_keys: [batch, blocks, 1, dim].
+        routes, expected: int32 [batch, queries, token_budget + compress_ratio - 1].
+    Returns:
+        The offending (batch, row) pairs; empty when the routes agree up to near-ties.
+    """
+    c, kept = compress_ratio, token_budget // compress_ratio
+    bad = []
+    differing = (routes != expected).any(dim=-1).nonzero().tolist()
+    for b, i in differing:
+        visible = (query_position_offset + i + 1) // c
+        if visible <= kept or not torch.equal(routes[b, i, kept * c :], expected[b, i, kept * c :]):
+            bad.append((b, i))
+            continue
+        got = set((routes[b, i, : kept * c : c] // c).tolist())
+        want = set((expected[b, i, : kept * c : c] // c).tolist())
+        queries = index_queries[b, i].double()
+        keys = compressed_keys[b, :visible, 0].double()
+        exact = (queries @ keys.t()).clamp_min(0.0).sum(dim=0) / math.sqrt(queries.shape[-1])
+        kth = exact.topk(kept).values[-1]
+        gap = (exact[sorted(got ^ want)] - kth).abs()
+        if not bool((gap <= relative_tolerance * kth.abs()).all()):
+            bad.append((b, i))
+    return bad
