@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sa_kernels import round_to_e4m3
 from sa_routing import (
     Step5IndexerLayerNorm,
     Step5IndexerRMSNorm,
@@ -268,6 +269,20 @@ def test_indexer_shard_equals_the_slice_of_the_unsharded_selection(shards: int) 
             hidden[:, rows], pos[:, rows], keys, logits, pos, pad, query_start=rank * local
         )
         assert torch.equal(shard.region_ids, full[:, :, rows])
+
+
+def test_an_fp32_indexer_scores_e4m3_queries_widened_to_bf16() -> None:
+    torch.manual_seed(8)
+    indexer = make_indexer(SMALL).to(torch.float32)
+    pos, pad = document_positions([90], 96)
+    pos, pad = pos[None], pad[None]
+    hidden = torch.randn(1, 96, SMALL.hidden_size)
+    query, _ = indexer.project_queries(hidden, pos)
+    assert query.dtype == torch.bfloat16
+    assert torch.equal(round_to_e4m3(query.float()), query.float())
+    keys, logits = indexer.project_keys(hidden, pos)
+    ids = indexer(hidden, pos, keys, logits, pos, pad).region_ids
+    assert ids.shape == (1, SMALL.num_provider_groups, 96, SMALL.topk + 1)
 
 
 def test_dense_prefix_needs_no_keys_and_scores_nothing() -> None:

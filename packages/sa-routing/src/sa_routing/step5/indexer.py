@@ -78,14 +78,16 @@ class Step5SparseIndexer(nn.Module):
     def project_queries(
         self, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """E4M3-rounded queries [B, S, G, H, proxy_dim] (activation dtype) and FP32 weights [B, S, G, H]."""
+        """E4M3-rounded queries [B, S, G, H, proxy_dim] widened to BF16 (SEMANTICS §1.2, whatever the
+        activation dtype) and FP32 weights [B, S, G, H]."""
         self._check_hidden("project_queries", hidden, positions)
         cfg = self.config
         query = self.q_proj(hidden).view(
             *hidden.shape[:2], cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
         )
         query = self.rotary(self.q_norm(query), positions)
-        return round_to_e4m3(query), self.w_proj(hidden)
+        # E4M3 values are exact in BF16: the widening never rounds
+        return round_to_e4m3(query).to(torch.bfloat16), self.w_proj(hidden)
 
     @torch.no_grad()
     def forward(
