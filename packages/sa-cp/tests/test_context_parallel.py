@@ -1,5 +1,9 @@
 """Layouts and collectives on real gloo process groups of 2 and 4 ranks, against one-process references."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +17,9 @@ from sa_cp import (
     shard_sequence,
 )
 from sa_cp.testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))  # cp_cases: importable by spawned NCCL ranks too
+from cp_cases import gather_then_weighted_sum, halo_roundtrip
 
 WORLD_SIZES = pytest.mark.parametrize("world_size", [2, 4], ids=["2ranks", "4ranks"])
 
@@ -34,22 +41,10 @@ def halo_reference(x: torch.Tensor, world_size: int, halo: int) -> list[torch.Te
     return out
 
 
-def _gather_then_weighted_sum(rank, world_size, x, weight):
-    layout = ContextParallelLayout.create(x.size(1), group=dist.group.WORLD)
-    local = shard_sequence(x, layout).clone().requires_grad_(True)
-    full = gather_sequence(local, group=dist.group.WORLD)
-    # A rank-dependent loss, so the reduce-scatter has to sum different gradients.
-    loss = (full * weight * (rank + 1)).sum() + full[
-        :, layout.local_start : layout.local_stop
-    ].square().sum()
-    loss.backward()
-    return full.detach(), local.grad, layout
-
-
 @WORLD_SIZES
 def test_gather_sequence_output_and_gradients_match_single_process(world_size):
     x, weight = global_inputs(world_size)
-    results = run_on_ranks(world_size, _gather_then_weighted_sum, x, weight)
+    results = run_on_ranks(world_size, gather_then_weighted_sum, x, weight)
     xs = x.clone().requires_grad_(True)
     layouts = [r[2] for r in results]
     total = sum(
@@ -63,21 +58,11 @@ def test_gather_sequence_output_and_gradients_match_single_process(world_size):
         torch.testing.assert_close(grad, xs.grad[:, layout.local_start : layout.local_stop])
 
 
-def _halo_roundtrip(rank, world_size, x, weight, halo):
-    layout = ContextParallelLayout.create(x.size(1), group=dist.group.WORLD)
-    local = shard_sequence(x, layout).clone().requires_grad_(True)
-    out = gather_halo(local, halo, group=dist.group.WORLD)
-    (
-        out * shard_sequence(weight, layout).roll(1, dims=1).repeat(1, 2, 1)[:, : out.size(1)]
-    ).sum().backward()
-    return out.detach(), local.grad
-
-
 @WORLD_SIZES
 @pytest.mark.parametrize("halo", [1, 4, 6], ids=["halo1", "halo4", "halo-whole-shard"])
 def test_gather_halo_output_and_gradients_match_single_process(world_size, halo):
     x, weight = global_inputs(world_size)
-    results = run_on_ranks(world_size, _halo_roundtrip, x, weight, halo)
+    results = run_on_ranks(world_size, halo_roundtrip, x, weight, halo)
     xs = x.clone().requires_grad_(True)
     expected = halo_reference(xs, world_size, halo)
     loss = 0
@@ -210,3 +195,27 @@ def test_group_none_is_the_single_rank_group_even_under_torch_distributed():
         assert size == 1
         assert gathered == no_grad == (1, 3, 2)
         assert rank_size == (0, 1)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("case", ["gather", "halo"])
+def test_nccl_collectives_match_the_gloo_results(case, monkeypatch):
+    """The NCCL path (reduce_scatter_tensor in backward) against the same cases on gloo."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    x, weight = global_inputs(2)
+    fn, args = (
+        (gather_then_weighted_sum, (x, weight))
+        if case == "gather"
+        else (halo_roundtrip, (x, weight, 4))
+    )
+    on_gloo = run_on_ranks(2, fn, *args)
+    on_nccl = run_on_ranks(2, fn, *args, backend="nccl", timeout=300)
+    for gloo_rank, nccl_rank in zip(on_gloo, on_nccl, strict=True):
+        torch.testing.assert_close(nccl_rank[0], gloo_rank[0])
+        torch.testing.assert_close(nccl_rank[1], gloo_rank[1])
+
+
+def test_run_on_ranks_rejects_unknown_backends():
+    with pytest.raises(ValueError, match="'gloo' or 'nccl'"):
+        run_on_ranks(2, print, backend="mpi")

@@ -26,12 +26,20 @@ from .replay import RecomputeReplay
 
 
 def _rank_main(
-    rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue: Any
+    rank: int,
+    world_size: int,
+    store_path: str,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    queue: Any,
 ) -> None:
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size
         )
         try:
             # Serialised here: tensors sent as shared memory would die with this process.
@@ -45,15 +53,28 @@ def _rank_main(
 
 
 def run_on_ranks(
-    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each on its own gloo rank."""
-    context = multiprocessing.get_context("fork")  # fork: `fn` may be defined in a test module
+    """`[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]`, each on its own rank.
+
+    backend "gloo": forked CPU processes, so `fn` may be defined anywhere, a test module included.
+    backend "nccl": spawned processes, rank r on `cuda:r`; CUDA cannot survive a fork, so `fn` and
+    `args` must be importable / picklable in a fresh interpreter. Results come back on the CPU.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_on_ranks: backend must be 'gloo' or 'nccl'; got {backend!r}")
+    context = multiprocessing.get_context("fork" if backend == "gloo" else "spawn")
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "rendezvous")
         processes = [
-            context.Process(target=_rank_main, args=(rank, world_size, store, fn, args, queue))
+            context.Process(
+                target=_rank_main, args=(rank, world_size, store, backend, fn, args, queue)
+            )
             for rank in range(world_size)
         ]
         for process in processes:
@@ -70,7 +91,9 @@ def run_on_ranks(
                     )
                     break
                 if status == "ok":
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                    results[rank] = torch.load(
+                        io.BytesIO(payload), weights_only=False, map_location="cpu"
+                    )
                 else:
                     errors.append(f"rank {rank}:\n{payload}")
                     break
