@@ -216,7 +216,9 @@ def test_packed_with_lengths_or_non_increasing_bounds_raises():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunked_path_equals_the_oracle_on_cuda_at_real_size(dtype):
+def test_fp64_path_equals_the_oracle_on_cuda_at_real_size(dtype):
+    """backend="reference" on CUDA scores in FP64 like the oracle: equal routes, ties included.
+    (The default CUDA path, the Triton scorer, is tested in test_qsa_triton_scores.py.)"""
     budget, c, heads, dim = 2048, 4, 4, 128
     rows, offset = 1500, 6700  # every row sparse, ~2k blocks visible
     total = offset + rows
@@ -231,6 +233,7 @@ def test_chunked_path_equals_the_oracle_on_cuda_at_real_size(dtype):
         compress_ratio=c,
         query_position_offset=offset,
         global_sequence_length=total,
+        backend="reference",
     )
     expected = select_qsa_token_ids_reference(
         queries, keys, lengths, token_budget=budget, compress_ratio=c, query_position_offset=offset

@@ -1,0 +1,70 @@
+"""Deterministic top-k: the k best entries by (score descending, position ascending), without a full sort."""
+
+import torch
+
+__all__ = ["stable_topk"]
+
+_TIE_BASE = 2**30
+"""Tie keys are `_TIE_BASE - position`: distinct, positive and below `_INT32_MAX` for every position."""
+_INT32_MAX = torch.iinfo(torch.int32).max
+_INT32_MIN = torch.iinfo(torch.int32).min
+
+
+def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
+    """Positions of the `k` best entries along `dim`, ties broken towards the lower position.
+
+    The chosen set is exactly the first `k` positions of a stable descending sort
+    (`reference.stable_topk`), so it never depends on how `torch.topk` orders equal values. How: a
+    float `torch.topk` gives the k-th best score `t`; every entry above `t` is kept, and among entries
+    equal to `t` an int32 `torch.topk` over the keys `2**30 - position` keeps the lowest positions
+    (every winner of both calls is distinct, so neither call's tie order matters). Two top-k passes,
+    one int32 key tensor of `scores`' shape and one boolean mask; no full sort, no host sync. `-0.0`
+    ties with `+0.0` and `-inf` is an ordinary (lowest) score, as in `torch.sort`. Not differentiable.
+
+    Args:
+        scores: [..., n, ...] float16/bfloat16/float32/float64 on any device, without NaN (a NaN
+            makes the result unspecified); `n = scores.shape[dim] < 2**30`.
+        k: how many positions to keep, `0 <= k <= n`.
+        dim: the dimension to select along.
+    Returns:
+        int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen positions along `dim`,
+        in ascending order.
+    Raises:
+        TypeError: scores is not a floating-point tensor; k or dim is not an int.
+        ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`.
+    """
+    fn = "stable_topk"
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise TypeError(f"{fn}: scores must be a floating-point tensor; got {got}")
+    for name, value in (("k", k), ("dim", dim)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be an int; got {type(value).__name__}")
+    if scores.dim() == 0 or not -scores.dim() <= dim < scores.dim():
+        raise ValueError(
+            f"{fn}: dim must lie in [-{scores.dim()}, {scores.dim()}) for scores of shape "
+            f"{tuple(scores.shape)}; got {dim}"
+        )
+    n = scores.shape[dim]
+    if not 0 <= k <= n:
+        raise ValueError(f"{fn}: k must lie in [0, {n}] (scores.shape[{dim}]); got {k}")
+    if n >= _TIE_BASE:
+        raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
+    with torch.no_grad():
+        last = scores.detach().movedim(dim, -1)
+        if k == 0:
+            shape = (*last.shape[:-1], 0)
+            return torch.empty(shape, dtype=torch.int64, device=scores.device).movedim(-1, dim)
+        return _threshold_topk(last, k).movedim(-1, dim)
+
+
+def _threshold_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`stable_topk` along the last dim, `1 <= k <= n`."""
+    threshold = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    positions = torch.arange(scores.shape[-1], dtype=torch.int32, device=scores.device)
+    keys = torch.empty(scores.shape, dtype=torch.int32, device=scores.device)
+    keys.copy_(_TIE_BASE - positions)
+    keys.masked_fill_(scores > threshold, _INT32_MAX)  # fewer than k: all kept
+    keys.masked_fill_(scores < threshold, _INT32_MIN)  # at least k entries are >= t: none kept
+    chosen = torch.topk(keys, k, dim=-1, sorted=False).indices
+    return torch.sort(chosen, dim=-1).values

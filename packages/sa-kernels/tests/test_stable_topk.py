@@ -1,0 +1,83 @@
+"""stable_topk: exactly the first k positions of a stable descending sort, ties to the lower position."""
+
+import pytest
+import torch
+
+from sa_kernels import stable_topk
+from sa_kernels.stable_topk import reference
+
+
+def _tied_scores(shape, dtype, seed, device="cpu"):
+    """Few distinct values (many exact ties), a run of -inf, signed zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, shape, generator=generator).to(dtype)
+    scores[..., 1::7] = float("-inf")
+    scores[..., 2::5] = -0.0
+    return scores.to(device)
+
+
+CASES = [
+    pytest.param((37,), 5, -1, id="1d-n37-k5"),
+    pytest.param((6, 130), 17, -1, id="rows6-n130-k17"),
+    pytest.param((3, 4, 61), 61, -1, id="3d-k-equals-n"),
+    pytest.param((3, 4, 61), 1, -1, id="3d-k1"),
+    pytest.param((50, 9), 4, 0, id="dim0-n50"),
+    pytest.param((2, 33, 5), 8, 1, id="middle-dim"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(("shape", "k", "dim"), CASES)
+def test_equals_the_stable_sort_on_tied_scores(shape, k, dim, dtype):
+    scores = _tied_scores(shape, dtype, seed=sum(shape) + k)
+    before = scores.clone()
+    got = stable_topk(scores, k, dim)
+    expected = reference.stable_topk(scores, k, dim)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+    assert torch.equal(scores, before), "scores must not be modified"
+
+
+def test_equals_the_stable_sort_on_random_scores_with_repeated_columns():
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randn(9, 301, generator=generator)
+    scores[:, 150:] = scores[:, :151]  # every value appears twice: the lower position must win
+    got = stable_topk(scores, 100)
+    assert torch.equal(got, reference.stable_topk(scores, 100))
+    assert (got < 151).sum() >= 50
+
+
+def test_all_equal_scores_keep_the_first_positions():
+    got = stable_topk(torch.full((4, 20), 2.5), 6)
+    assert torch.equal(got, torch.arange(6).expand(4, 6))
+
+
+def test_k_zero_gives_an_empty_result_of_the_right_shape():
+    got = stable_topk(torch.randn(3, 10, 4), 0, dim=1)
+    assert got.shape == (3, 0, 4) and got.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((torch.arange(5), 2), TypeError, "floating-point"),
+        (([1.0, 2.0], 1), TypeError, "floating-point"),
+        ((torch.randn(5), 2.0), TypeError, "k must be an int"),
+        ((torch.randn(5), 6), ValueError, r"k must lie in \[0, 5\]"),
+        ((torch.randn(5), -1), ValueError, "k must lie"),
+        ((torch.randn(5, 3), 1, 2), ValueError, "dim must lie"),
+    ],
+    ids=["int-scores", "list-scores", "float-k", "k-above-n", "negative-k", "dim-out-of-range"],
+)
+def test_invalid_arguments_raise_with_the_reason(args, error, message):
+    with pytest.raises(error, match=message):
+        stable_topk(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_equals_the_stable_sort_on_cuda_at_real_size(dtype):
+    scores = _tied_scores((700, 32771), dtype, seed=11, device="cuda")
+    scores[:350] += torch.randn(350, 32771, device="cuda").to(dtype)
+    got = stable_topk(scores, 512)
+    assert torch.equal(got, reference.stable_topk(scores, 512))

@@ -1,0 +1,159 @@
+"""The GPU block scorer: `Σ_h relu(q_h · k_b) / sqrt(D)` for a chunk of query rows, FP32, in one kernel.
+
+Each program scores a `BLOCK_M × BLOCK_N` tile of (row, block) pairs: the key tile is loaded once, each
+head is one `tl.dot` over the whole (padded) head dim with FP32 accumulation, relu'd and added to the
+tile's sum in head order, scaled by `1/sqrt(D)`, and blocks a row cannot see (`b >= (p + 1) // c`) are
+set to −inf. Tiles wholly past their last row's visible blocks only store −inf. No per-head
+`[rows, blocks]` tensor exists.
+
+Determinism: one fixed configuration per backend (no autotuning), the same instruction sequence for
+every (row, block) pair whatever its tile, rows and offsets not specialised, so a score does not depend
+on the chunk or tile its row lands in and chunking never changes the routes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sa_kernels._backend import triton_interpret
+
+_BLOCK_M, _BLOCK_N, _NUM_WARPS = 128, 128, 8
+"""The one compiled configuration (H200: 4 × [128, 128] × [128, 128] BF16 dots per program)."""
+_INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N = 32, 16
+"""Small tiles under the interpreter, so that small test shapes still span several tiles."""
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with FP32 accumulation; IEEE: exact FP32 products (FP32 inputs); UPCAST: widen 16-bit
+    operands first (Triton's interpreter multiplies BF16 dot operands wrongly; widened products are exact)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["rows", "columns", "first_position"])
+def _qsa_scores_kernel(
+    q_ptr,
+    k_ptr,
+    out_ptr,
+    rows,
+    columns,
+    first_position,
+    compress_ratio,
+    dim,
+    scale,
+    stride_qr,
+    stride_qh,
+    stride_kb,
+    stride_or,
+    HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = r < rows
+    n_ok = n < columns
+    out_ptrs = out_ptr + r.to(tl.int64)[:, None] * stride_or + n[None, :]
+    out_ok = r_ok[:, None] & n_ok[None, :]
+    last_row = tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows) - 1
+    tile_visible = (first_position + last_row + 1) // compress_ratio
+    if pid_n * BLOCK_N >= tile_visible:
+        tl.store(out_ptrs, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=out_ok)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < dim
+        keys = tl.load(
+            k_ptr + n.to(tl.int64)[:, None] * stride_kb + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        keys_t = tl.trans(keys)
+        q_ptrs = q_ptr + r.to(tl.int64)[:, None] * stride_qr + d[None, :]
+        q_ok = r_ok[:, None] & d_ok[None, :]
+        score = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h in tl.static_range(HEADS):
+            q = tl.load(q_ptrs + h * stride_qh, mask=q_ok, other=0.0)
+            score += tl.maximum(_dot(q, keys_t, IEEE, UPCAST), 0.0)
+        score = score * scale
+        visible = (first_position + r + 1) // compress_ratio
+        score = tl.where(n[None, :] < visible[:, None], score, float("-inf"))
+        tl.store(out_ptrs, score, mask=out_ok)
+
+
+def score_dtype(queries: torch.Tensor, keys: torch.Tensor) -> torch.dtype:
+    """The operand dtype of the kernel: BF16/FP16 when both inputs share it, FP32 otherwise."""
+    if queries.dtype == keys.dtype and queries.dtype in (torch.bfloat16, torch.float16):
+        return queries.dtype
+    return torch.float32
+
+
+def qsa_block_scores_triton(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    first_position: int,
+    compress_ratio: int,
+    columns: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causally masked block scores of a chunk of consecutive query rows (no validation: internal).
+
+    `score[i, b] = Σ_h relu(q[i, h] · k[b]) / sqrt(D)` with FP32 accumulation, and −inf where
+    `b >= (first_position + i + 1) // compress_ratio` (the block is not complete before row i).
+
+    Args:
+        queries: [rows, heads, dim], `score_dtype`'s dtype, last-dim stride 1; row i is at
+            document position `first_position + i`.
+        keys: [blocks >= columns, dim], queries' dtype, last-dim stride 1: the document's blocks.
+        columns: blocks to score (default: all of `keys`).
+        out: optional contiguous float32 [rows, columns] to write into.
+    Returns:
+        float32 [rows, columns].
+    """
+    rows, heads, dim = queries.shape
+    columns = keys.shape[0] if columns is None else columns
+    if out is None:
+        out = torch.empty(rows, columns, dtype=torch.float32, device=queries.device)
+    if rows == 0 or columns == 0:
+        return out
+    interpret = triton_interpret()
+    block_m, block_n = (
+        (_INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N) if interpret else (_BLOCK_M, _BLOCK_N)
+    )
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))
+    _qsa_scores_kernel[grid](
+        queries,
+        keys,
+        out,
+        rows,
+        columns,
+        first_position,
+        compress_ratio,
+        dim,
+        1.0 / math.sqrt(dim),
+        queries.stride(0),
+        queries.stride(1),
+        keys.stride(0),
+        out.stride(0),
+        HEADS=heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        IEEE=queries.dtype == torch.float32,
+        UPCAST=interpret and queries.dtype != torch.float32,
+        num_warps=_NUM_WARPS,
+    )
+    return out
