@@ -376,7 +376,7 @@ def test_cpu_backends_that_need_cuda_raise():
 def test_gather_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, gen = _inputs(1, 4, 2, 1, 8, 9, torch.float32)
-    with pytest.raises(RuntimeError, match="backend='gather'.*TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match=r"backend='gather'.*TRITON_INTERPRET=1"):
         sparse_gqa_attention(q, k, v, _random_ids((1, 4, 3), 9, gen), backend="gather")
 
 

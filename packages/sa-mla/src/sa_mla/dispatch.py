@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_mla.cudnn_flashmla import cudnn_sparse_attention, unavailable_reason
 from sa_mla.reference import sparse_mla_reference
 from sa_mla.triton import sparse_mla_triton

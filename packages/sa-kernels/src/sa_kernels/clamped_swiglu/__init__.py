@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_kernels.clamped_swiglu import reference
 
 __all__ = ["clamped_swiglu"]

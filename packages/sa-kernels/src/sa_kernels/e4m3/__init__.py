@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_kernels.e4m3 import reference
 
 __all__ = ["round_to_e4m3"]

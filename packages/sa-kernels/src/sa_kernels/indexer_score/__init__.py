@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_kernels.indexer_score import reference
 
 __all__ = ["indexer_score_tile"]

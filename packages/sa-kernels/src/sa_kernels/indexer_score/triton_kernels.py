@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels._backend import triton_interpret
+from sa_kernels.backend import triton_interpret
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_kernels.layer_norm import reference
 
 __all__ = ["layer_norm_e2"]

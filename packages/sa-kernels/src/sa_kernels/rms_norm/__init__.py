@@ -6,7 +6,7 @@ dtype; backward gives dx in x's dtype and dweight in the weight's dtype (FP32 ac
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_kernels.rms_norm import reference
 
 __all__ = ["grouped_rms_norm", "rms_norm", "rms_norm_with_rstd"]

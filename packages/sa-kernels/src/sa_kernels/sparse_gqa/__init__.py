@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from sa_kernels._backend import triton_interpret
+from sa_kernels.backend import triton_interpret
 
 from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
 from .reference import sparse_gqa_attention_reference

@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 from sa_mla.canonical import ids_as_int32, sink_gradient
 from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
 from sa_mla.triton.forward import sparse_mla_forward

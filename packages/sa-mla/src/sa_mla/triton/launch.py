@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import triton
 
-from sa_kernels._backend import triton_interpret
+from sa_kernels.backend import triton_interpret
 
 # Triton's interpreter multiplies bf16 dot operands as raw uint16 (Triton 3.9); the kernels widen them to
 # FP32 first when interpreting (UPCAST), which the compiled kernels never do.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sa_kernels import stable_topk
-from sa_kernels._backend import resolve_backend
+from sa_kernels.backend import resolve_backend
 
 from .reference import qsa_block_scores
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels._backend import triton_interpret
+from sa_kernels.backend import triton_interpret
 
 _BLOCK_M, _BLOCK_N, _NUM_WARPS = 128, 128, 8
 """The one compiled configuration (H200: 4 × [128, 128] × [128, 128] BF16 dots per program)."""

@@ -1,4 +1,6 @@
-"""Backend choice shared by every op: CUDA tensors run Triton, CPU tensors run the reference.
+"""Backend choice shared by every op (public: sa-mla and sa-routing dispatch through it too).
+
+CUDA tensors run Triton, CPU tensors run the reference.
 
 `backend="triton"` on CPU tensors runs the same kernels through Triton's interpreter, which needs
 `TRITON_INTERPRET=1` in the environment before Triton compiles anything (the CPU test sessions set it).
