@@ -356,6 +356,13 @@ def test_gather_accepts_strided_query_views():
 # ---------------------------------------------------------------- dispatch and errors
 
 
+def test_flex_refuses_per_group_routes_with_the_reason():
+    q, k, v, gen = _inputs(1, 8, 4, 2, 8, 16, torch.float32)
+    mask = build_route_block_mask(_random_ids((1, 2, 8, 3), 16, gen), 16, 4, build_flex=False)
+    with pytest.raises(RuntimeError, match="per-group routes"):
+        sparse_gqa_attention(q, k, v, mask.routes, backend="flex", block_mask=mask)
+
+
 def test_auto_on_cpu_runs_the_reference():
     q, k, v, gen = _inputs(1, 5, 2, 1, 8, 9, torch.float64)
     ids = _random_ids((1, 5, 4), 9, gen)
@@ -462,8 +469,8 @@ GPU_ROUTES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kind", "query_heads", "kv_heads", "head_dim", "per_group"), GPU_ROUTES)
 def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim, per_group):
-    """gather on every route kind; flex (one compile per geometry) on clustered routes; auto picks
-    flex for clustered (dense tiles) and gather for scattered routes."""
+    """gather on every route kind; flex (one compile per geometry) on clustered shared routes (it
+    refuses per-group routes); auto runs gather."""
     kv_length = queries = 8192
     q, k, v, gen = _inputs(
         1, queries, query_heads, kv_heads, head_dim, kv_length, torch.bfloat16, "cuda"
@@ -491,7 +498,10 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = sparse_gqa_attention_reference(qf, kf, vf, ids, query_chunk=512)
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
-    backends = ["gather", "flex"] if kind == "clustered" else ["gather"]
+    backends = ["gather", "flex"] if kind == "clustered" and not per_group else ["gather"]
+    if per_group:
+        with pytest.raises(RuntimeError, match="per-group routes"):
+            sparse_gqa_attention(q, k, v, ids, backend="flex", block_mask=mask)
     results = {}
     for backend in backends:
         out = sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=mask)
@@ -502,9 +512,8 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
             assert _relative_error(got, want) < 2e-2, f"{backend} d{name}"
         results[backend] = out
     auto = sparse_gqa_attention(q, k, v, ids, block_mask=mask)
-    expected = "flex" if kind == "clustered" else "gather"
     assert (mask.occupancy > 0.9) if kind == "clustered" else (mask.occupancy < 0.5)
-    torch.testing.assert_close(auto, results[expected], rtol=0, atol=0)
+    torch.testing.assert_close(auto, results["gather"], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -512,6 +521,7 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
 def test_cuda_empty_rows_give_zero_output_and_gradients(backend):
     q, k, v, gen = _inputs(1, 300, 8, 2, 64, 500, torch.bfloat16, "cuda")
     ids = _random_ids((1, 2, 300, 33), 500, gen, device="cuda", empty_rows=(0, 7, 299))
+    ids = ids[:, 0] if backend == "flex" else ids  # flex takes shared routes only
     out = sparse_gqa_attention(q, k, v, ids, backend=backend)
     dq, dk = torch.autograd.grad(out.float().square().sum(), (q, k))
     assert out[:, [0, 7, 299]].abs().max() == 0 and dq[:, [0, 7, 299]].abs().max() == 0

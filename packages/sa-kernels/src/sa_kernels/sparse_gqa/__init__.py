@@ -3,8 +3,12 @@
 Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that load
 only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled FlexAttention over
 `build_route_block_mask`'s 128×128 BlockMask, CUDA only), "fa4" (FlashAttention-4 block sparsity:
-not implemented, raises), "auto" (CUDA: flex when the touched tiles are dense enough, else gather;
-CPU: reference).
+not implemented, raises), "auto" (CUDA: gather; CPU: reference).
+
+Flex is opt-in and takes shared routes only: on the H200 with torch 2.11, compiling flex_attention over
+per-KV-group route masks needed 256–368 KiB of shared memory (227 KiB available) and failed
+(measured 2026-11-29, docs/benchmarks.md), so that case raises instead of crashing in the compiler,
+and "auto" runs the gather kernels, the path verified on every route structure.
 """
 
 import functools
@@ -13,7 +17,7 @@ import torch
 
 from sa_kernels.backend import triton_interpret
 
-from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
+from .block_mask import RouteBlockMask, build_route_block_mask
 from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
 
@@ -193,6 +197,12 @@ def sparse_gqa_attention(
         raise TypeError(
             f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
         )
+    if backend == "flex" and token_ids.dim() == 4 and token_ids.shape[1] > 1:
+        raise RuntimeError(
+            f"{fn}: backend='flex' takes routes shared by all KV groups ([batch, queries, W]); "
+            f"per-group routes ({token_ids.shape[1]} route heads) overflow the GPU's shared memory "
+            "in flex_attention's compiled kernel; use backend='gather'"
+        )
     if backend == "flex" and not on_cuda:
         raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
     if backend == "gather" and not on_cuda and not triton_interpret():
@@ -205,11 +215,10 @@ def sparse_gqa_attention(
             token_ids,
             key.shape[1],
             query.shape[2],
-            build_flex={"flex": True, "auto": None}.get(backend, False),
+            build_flex=backend == "flex",
         )
     if backend == "auto":
-        use_flex = block_mask.occupancy >= FLEX_MIN_OCCUPANCY and block_mask.flex is not None
-        backend = "flex" if use_flex else "gather"
+        backend = "gather"
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")

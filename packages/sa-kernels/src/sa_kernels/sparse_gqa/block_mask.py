@@ -14,7 +14,7 @@ import torch
 from .routes import canonical_routes
 
 TILE = 128
-# backend="auto" runs Flex when at least this fraction of the touched tiles' area is selected: the
+# build_flex=None builds the Flex mask when at least this fraction of the touched tiles' area is selected: the
 # gather kernel's cost follows the selected pairs, Flex's the touched tiles (docs/benchmarks.md).
 FLEX_MIN_OCCUPANCY = 0.5
 # Route entries binned per step of the tile count (bounds the int64 temporaries).
@@ -156,7 +156,7 @@ def build_route_block_mask(
         query_heads: query heads of the attention that will use the mask (a multiple of kv_heads).
         build_flex: also build the Flex `BlockMask` (needs torch's flex_attention module); False
             keeps only the canonical routes and tile statistics (what the gather kernel needs);
-            None builds it only when the occupancy reaches FLEX_MIN_OCCUPANCY (what auto uses).
+            None builds it only when the occupancy reaches FLEX_MIN_OCCUPANCY.
     Returns:
         RouteBlockMask, reusable across layers and in recompute for the same routes and geometry.
     Raises:
