@@ -130,7 +130,7 @@ def test_fused_path_with_fake_kernels_matches_the_oracle(case):
     p = random_problem(**case, dtype=torch.float32, seed=29)
     fake = FakeKernels()
     out, _ = fused_sparse_mla(fake.kernels(), *p.args(), False, None, p.attn_sink)
-    inputs = [p.q, p.kv_latent] + ([p.attn_sink] if p.attn_sink is not None else [])
+    inputs = p.grad_inputs()
     expected, _ = sparse_mla_reference_with_lse(*p.args(), attn_sink=p.attn_sink)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.all(out[p.empty_rows] == 0)

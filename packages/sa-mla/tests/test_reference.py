@@ -27,7 +27,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_oracle_matches_dense_masked_fp64_forward_and_gradients(case):
     p = random_problem(**case, dtype=torch.float64, seed=3)
-    inputs = [p.q, p.kv_latent] + ([p.attn_sink] if p.attn_sink is not None else [])
+    inputs = p.grad_inputs()
     out = sparse_mla_reference(*p.args(), attn_sink=p.attn_sink)
     dense = dense_masked_reference(*p.args(), attn_sink=p.attn_sink)
     torch.testing.assert_close(out, dense, rtol=1e-10, atol=1e-12)

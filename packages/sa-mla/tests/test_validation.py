@@ -186,7 +186,7 @@ def test_auto_on_cpu_runs_the_oracle(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("auto on CPU must not run the Triton path")
 
-    monkeypatch.setattr(sa_mla.dispatch, "sparse_mla_triton", fail)
+    monkeypatch.setattr(sa_mla.dispatch, "_sparse_mla_triton", fail)
     torch.testing.assert_close(
         sparse_mla_attention(**arguments), sparse_mla_reference(**arguments), rtol=0, atol=0
     )
@@ -201,3 +201,27 @@ def test_reference_accepts_fp64_but_triton_and_fused_path_do_not():
     for fn in (sparse_mla_triton, cudnn_sparse_attention):
         with pytest.raises(TypeError, match="q must be"):
             fn(**arguments)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_attention_validates_once(backend, monkeypatch):
+    calls = []
+    for module in (sa_mla.dispatch, sa_mla.cudnn_flashmla, sa_mla.reference, sa_mla.triton):
+        check = module.check_sparse_mla_arguments
+        monkeypatch.setattr(
+            module,
+            "check_sparse_mla_arguments",
+            lambda *a, check=check, **k: calls.append(a[0]) or check(*a, **k),
+        )
+    sparse_mla_attention(**valid_arguments(), backend=backend)
+    assert calls == ["sparse_mla_attention"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_attention_names_itself_when_q_dtype_does_not_suit_the_backend(backend):
+    arguments = valid_arguments()
+    arguments.update(
+        q=arguments["q"].double(), kv_latent=arguments["kv_latent"].double(), attn_sink=None
+    )
+    with pytest.raises(TypeError, match=rf"^sparse_mla_attention: q must be .* the '{backend}'"):
+        sparse_mla_attention(**arguments, backend=backend)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sa_routing import select_qsa_token_ids
-from sa_routing.qsa.selection.reference import select_qsa_token_ids_reference
+from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -42,18 +42,17 @@ def test_padded_routes_keep_the_invariants(batch, rows, offset, c, blocks_kept, 
     total = offset + rows
     lengths = data.draw(st.lists(st.integers(0, total), min_size=batch, max_size=batch))
     seed = data.draw(st.integers(0, 2**16))
-    generator = torch.Generator().manual_seed(seed)
-    queries = torch.randn(batch, rows, heads, 6, generator=generator).to(torch.bfloat16)
-    keys = torch.randn(batch, total // c, 1, 6, generator=generator).to(torch.bfloat16)
-    routes = select_qsa_token_ids(
+    queries, keys = selection_inputs(
+        "normal", batch, rows, heads, 6, total // c, torch.bfloat16, seed
+    )
+    routes = assert_routes_equal_oracle(
         queries,
         keys,
-        torch.tensor(lengths),
+        lengths,
         token_budget=budget,
         compress_ratio=c,
         query_position_offset=offset,
-        global_sequence_length=total,
-        query_chunk_size=data.draw(st.sampled_from([None, 1, 5])),
+        chunk_sizes=(data.draw(st.sampled_from([None, 1, 5])),),
     )
     assert routes.shape == (batch, rows, budget + c - 1)
     for b in range(batch):
@@ -63,15 +62,6 @@ def test_padded_routes_keep_the_invariants(batch, rows, offset, c, blocks_kept, 
                 assert all(x == -1 for x in row)
             else:
                 _check_row(row, position, c, budget, 0, total)
-    expected = select_qsa_token_ids_reference(
-        queries,
-        keys,
-        torch.tensor(lengths),
-        token_budget=budget,
-        compress_ratio=c,
-        query_position_offset=offset,
-    )
-    assert torch.equal(routes, expected)
 
 
 @hypothesis.settings(max_examples=20, deadline=None)
@@ -88,9 +78,8 @@ def test_packed_routes_never_leave_their_document(documents, tail, c, blocks_kep
     for length in documents:
         cu.append(cu[-1] + length)
     rows = cu[-1] + tail
-    generator = torch.Generator().manual_seed(seed)
-    queries = torch.randn(1, rows, 2, 4, generator=generator)
-    keys = torch.randn(1, sum(n // c for n in documents), 1, 4, generator=generator)
+    blocks = sum(n // c for n in documents)
+    queries, keys = selection_inputs("normal", 1, rows, 2, 4, blocks, torch.float32, seed)
     routes = select_qsa_token_ids(
         queries, keys, None, token_budget=budget, compress_ratio=c, cu_seqlens=tuple(cu)
     )

@@ -10,21 +10,11 @@ from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_packed_reference,
     select_qsa_token_ids_reference,
 )
+from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
 
 
 def _as_sets(routes: torch.Tensor) -> list[list[int]]:
     return [[i for i in row if i >= 0] for row in routes.tolist()]
-
-
-def _tied_inputs(batch, rows, heads, dim, blocks, dtype, seed):
-    """Random queries and keys with repeated keys (equal scores) and rows whose dots are all negative (zero scores)."""
-    generator = torch.Generator().manual_seed(seed)
-    queries = torch.randn(batch, rows, heads, dim, generator=generator)
-    keys = torch.randn(batch, blocks, 1, dim, generator=generator)
-    keys[:, 2::3] = keys[:, 1:2]  # a third of the blocks share one key: exact ties
-    queries[:, ::5] = -1.0  # rows of all-negative queries ...
-    keys[:, ::7] = keys[:, ::7].abs()  # ... score these blocks (and many others) exactly 0
-    return queries.to(dtype), keys.to(dtype)
 
 
 def test_hand_case_matches_the_issue():
@@ -86,24 +76,18 @@ CASES = [
 def test_chunked_path_equals_the_oracle_with_ties(
     batch, rows, heads, dim, c, budget, offset, lengths, dtype
 ):
-    total = offset + rows
-    queries, keys = _tied_inputs(batch, rows, heads, dim, total // c, dtype, seed=rows)
-    seq = None if lengths is None else torch.tensor(lengths)
-    expected = select_qsa_token_ids_reference(
-        queries, keys, seq, token_budget=budget, compress_ratio=c, query_position_offset=offset
+    queries, keys = selection_inputs(
+        "tied", batch, rows, heads, dim, (offset + rows) // c, dtype, seed=rows
     )
-    for chunk in (None, 1, 7, 64):
-        routes = select_qsa_token_ids(
-            queries,
-            keys,
-            seq,
-            token_budget=budget,
-            compress_ratio=c,
-            query_chunk_size=chunk,
-            query_position_offset=offset,
-            global_sequence_length=total,
-        )
-        assert torch.equal(routes, expected), f"query_chunk_size={chunk}"
+    assert_routes_equal_oracle(
+        queries,
+        keys,
+        lengths,
+        token_budget=budget,
+        compress_ratio=c,
+        query_position_offset=offset,
+        chunk_sizes=(None, 1, 7, 64),
+    )
 
 
 def test_ties_go_to_the_lower_block_id():
@@ -222,23 +206,16 @@ def test_fp64_path_equals_the_oracle_on_cuda_at_real_size(dtype):
     budget, c, heads, dim = 2048, 4, 4, 128
     rows, offset = 1500, 6700  # every row sparse, ~2k blocks visible
     total = offset + rows
-    queries, keys = _tied_inputs(2, rows, heads, dim, total // c, dtype, seed=3)
-    queries, keys = queries.cuda(), keys.cuda()
-    lengths = torch.tensor([total, offset + 1001], device="cuda")
-    routes = select_qsa_token_ids(
-        queries,
-        keys,
-        lengths,
+    queries, keys = selection_inputs("tied", 2, rows, heads, dim, total // c, dtype, seed=3)
+    assert_routes_equal_oracle(
+        queries.cuda(),
+        keys.cuda(),
+        [total, offset + 1001],
         token_budget=budget,
         compress_ratio=c,
         query_position_offset=offset,
-        global_sequence_length=total,
         backend="reference",
     )
-    expected = select_qsa_token_ids_reference(
-        queries, keys, lengths, token_budget=budget, compress_ratio=c, query_position_offset=offset
-    )
-    assert torch.equal(routes, expected)
 
 
 def test_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch):
@@ -253,7 +230,7 @@ def test_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch):
         scored.append((queries.shape[0], keys.shape[0]))
         return original_scores(queries, keys)
 
-    queries, keys = _tied_inputs(2, 700, 2, 8, 700 // 2, torch.bfloat16, seed=5)
+    queries, keys = selection_inputs("tied", 2, 700, 2, 8, 700 // 2, torch.bfloat16, seed=5)
     expected = select_qsa_token_ids(queries, keys, None, token_budget=16, compress_ratio=2)
     monkeypatch.setattr(chunked, "SCORE_TEMP_BUDGET_BYTES", budget_bytes)
     monkeypatch.setattr(chunked, "qsa_block_scores", recording_scores)

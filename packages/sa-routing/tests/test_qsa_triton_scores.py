@@ -14,6 +14,7 @@ from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_reference,
 )
 from sa_routing.qsa.selection.triton_scores import qsa_block_scores_triton
+from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -24,22 +25,6 @@ def _masked_fp64_scores(queries, keys, first_position, c):
     visible = (first_position + torch.arange(queries.shape[0], device=queries.device) + 1) // c
     invisible = torch.arange(keys.shape[0], device=keys.device) >= visible[:, None]
     return exact.masked_fill(invisible, float("-inf")), invisible
-
-
-def _integer_inputs(batch, rows, heads, dim, blocks, dtype, seed, device="cpu"):
-    """Small integers: every product, dot and head sum is exact in FP32 and scores tie often."""
-    generator = torch.Generator().manual_seed(seed)
-    queries = torch.randint(-2, 3, (batch, rows, heads, dim), generator=generator)
-    keys = torch.randint(-2, 3, (batch, blocks, 1, dim), generator=generator)
-    keys[:, 3::4] = keys[:, 1:2]  # repeated keys: exact ties between distinct blocks
-    return queries.to(dtype).to(device), keys.to(dtype).to(device)
-
-
-def _real_inputs(batch, rows, heads, dim, blocks, dtype, seed, device="cpu"):
-    generator = torch.Generator().manual_seed(seed)
-    queries = torch.randn(batch, rows, heads, dim, generator=generator)
-    keys = torch.randn(batch, blocks, 1, dim, generator=generator)
-    return queries.to(dtype).to(device), keys.to(dtype).to(device)
 
 
 # --- (a) scores ----------------------------------------------------------------------------------
@@ -57,7 +42,7 @@ def _real_inputs(batch, rows, heads, dim, blocks, dtype, seed, device="cpu"):
 def test_triton_scores_match_fp64_within_fp32_tolerance(
     rows, heads, dim, blocks, first_position, c, dtype
 ):
-    queries, keys = _real_inputs(1, rows, heads, dim, blocks, dtype, seed=rows + dim)
+    queries, keys = selection_inputs("normal", 1, rows, heads, dim, blocks, dtype, seed=rows + dim)
     queries, keys = queries[0], keys[0, :, 0]
     out = torch.full((rows, blocks), float("nan"))
     scores = qsa_block_scores_triton(queries, keys, first_position, c, out=out)
@@ -73,7 +58,7 @@ def test_triton_scores_match_fp64_within_fp32_tolerance(
 
 def test_triton_scores_do_not_depend_on_the_chunk_their_rows_land_in():
     """(d) Rows scored in one call or in shifted sub-chunks (other tile positions) score the same bits."""
-    queries, keys = _real_inputs(1, 90, 3, 40, 64, torch.float32, seed=4)
+    queries, keys = selection_inputs("normal", 1, 90, 3, 40, 64, torch.float32, seed=4)
     queries, keys = queries[0], keys[0, :, 0]
     whole = qsa_block_scores_triton(queries, keys, 100, 2)
     for start, stop in [(0, 1), (5, 42), (41, 90), (17, 18), (3, 90)]:
@@ -99,25 +84,19 @@ EXACT_CASES = [
 def test_triton_selection_equals_the_oracle_bit_for_bit_on_integer_inputs(
     batch, rows, heads, dim, c, budget, offset, lengths, dtype
 ):
-    total = offset + rows
-    queries, keys = _integer_inputs(batch, rows, heads, dim, total // c, dtype, seed=rows)
-    seq = None if lengths is None else torch.tensor(lengths)
-    expected = select_qsa_token_ids_reference(
-        queries, keys, seq, token_budget=budget, compress_ratio=c, query_position_offset=offset
+    queries, keys = selection_inputs(
+        "integer", batch, rows, heads, dim, (offset + rows) // c, dtype, seed=rows
     )
-    for chunk in (None, 7):
-        routes = select_qsa_token_ids(
-            queries,
-            keys,
-            seq,
-            token_budget=budget,
-            compress_ratio=c,
-            query_chunk_size=chunk,
-            query_position_offset=offset,
-            global_sequence_length=total,
-            backend="triton",
-        )
-        assert torch.equal(routes, expected), f"query_chunk_size={chunk}"
+    assert_routes_equal_oracle(
+        queries,
+        keys,
+        lengths,
+        token_budget=budget,
+        compress_ratio=c,
+        query_position_offset=offset,
+        chunk_sizes=(None, 7),
+        backend="triton",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -126,7 +105,7 @@ def test_triton_selection_equals_the_packed_oracle_bit_for_bit_on_integer_inputs
     cu = (0, 25, 31, 70, 95)
     rows = 100  # 5 tail tokens belong to no document
     blocks = sum((b - a) // c for a, b in itertools.pairwise(cu))
-    queries, keys = _integer_inputs(1, rows, 3, 16, blocks, dtype, seed=9)
+    queries, keys = selection_inputs("integer", 1, rows, 3, 16, blocks, dtype, seed=9)
     routes = select_qsa_token_ids(
         queries, keys, None, token_budget=budget, compress_ratio=c, cu_seqlens=cu, backend="triton"
     )
@@ -153,7 +132,7 @@ def test_triton_selection_breaks_all_equal_scores_towards_the_lower_block():
 def test_triton_selection_differs_from_the_oracle_only_at_near_ties(dtype):
     batch, rows, heads, dim, c, budget, offset = 2, 150, 4, 32, 2, 16, 20
     total = offset + rows
-    queries, keys = _real_inputs(batch, rows, heads, dim, total // c, dtype, seed=12)
+    queries, keys = selection_inputs("normal", batch, rows, heads, dim, total // c, dtype, seed=12)
     lengths = torch.tensor([total, 131])
     kwargs = dict(token_budget=budget, compress_ratio=c, query_position_offset=offset)
     expected = select_qsa_token_ids_reference(queries, keys, lengths, **kwargs)
@@ -166,7 +145,7 @@ def test_triton_selection_differs_from_the_oracle_only_at_near_ties(dtype):
 
 def test_near_tie_check_rejects_a_real_difference():
     """The checker used above is not vacuous: swapping a clearly chosen block for a clearly unchosen one is caught."""
-    queries, keys = _real_inputs(1, 40, 2, 16, 20, torch.float32, seed=3)
+    queries, keys = selection_inputs("normal", 1, 40, 2, 16, 20, torch.float32, seed=3)
     kwargs = dict(token_budget=8, compress_ratio=2)
     expected = select_qsa_token_ids_reference(queries, keys, None, **kwargs)
     routes = expected.clone()
@@ -178,7 +157,7 @@ def test_near_tie_check_rejects_a_real_difference():
 
 
 def test_triton_selection_does_not_depend_on_the_chunk_size():
-    queries, keys = _real_inputs(2, 130, 3, 24, 70, torch.bfloat16, seed=6)
+    queries, keys = selection_inputs("normal", 2, 130, 3, 24, 70, torch.bfloat16, seed=6)
     lengths = torch.tensor([137, 100])
     kwargs = dict(
         token_budget=20,
@@ -207,7 +186,7 @@ def test_triton_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch
         scored.append((queries.shape[0], keys.shape[0]))
         return original(queries, keys, *args, **kwargs)
 
-    queries, keys = _real_inputs(2, 700, 2, 8, 350, torch.bfloat16, seed=5)
+    queries, keys = selection_inputs("normal", 2, 700, 2, 8, 350, torch.bfloat16, seed=5)
     kwargs = dict(token_budget=16, compress_ratio=2, backend="triton")
     expected = select_qsa_token_ids(queries, keys, None, **kwargs)
     monkeypatch.setattr(chunked, "SCORE_TEMP_BUDGET_BYTES", budget_bytes)
@@ -223,7 +202,7 @@ def test_triton_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch
 
 def test_triton_backend_needs_the_interpreter_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    queries, keys = _real_inputs(1, 8, 1, 4, 4, torch.float32, seed=0)
+    queries, keys = selection_inputs("normal", 1, 8, 1, 4, 4, torch.float32, seed=0)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         select_qsa_token_ids(
             queries, keys, None, token_budget=2, compress_ratio=2, backend="triton"
@@ -239,7 +218,9 @@ GPU_BUDGET, GPU_C, GPU_HEADS, GPU_DIM = 2048, 4, 4, 128
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_triton_scores_match_fp64_at_32k(dtype):
     rows, first_position = 777, 31991  # 8192 blocks, the last rows see all of them
-    queries, keys = _real_inputs(1, rows, GPU_HEADS, GPU_DIM, 8192, dtype, seed=1, device="cuda")
+    queries, keys = selection_inputs(
+        "normal", 1, rows, GPU_HEADS, GPU_DIM, 8192, dtype, seed=1, device="cuda"
+    )
     queries, keys = queries[0], keys[0, :, 0]
     out = torch.full((rows, 8192), float("nan"), device="cuda")
     scores = qsa_block_scores_triton(queries, keys, first_position, GPU_C, out=out)
@@ -257,8 +238,16 @@ def test_cuda_triton_scores_match_fp64_at_32k(dtype):
 def test_cuda_selection_equals_the_oracle_bit_for_bit_on_integer_inputs_at_32k():
     """Padded batch with a dense prefix and tails, then a CP-like shard (offset), then packed documents."""
     total = 32768
-    queries, keys = _integer_inputs(
-        2, total, GPU_HEADS, GPU_DIM, total // GPU_C, torch.bfloat16, seed=2, device="cuda"
+    queries, keys = selection_inputs(
+        "integer",
+        2,
+        total,
+        GPU_HEADS,
+        GPU_DIM,
+        total // GPU_C,
+        torch.bfloat16,
+        seed=2,
+        device="cuda",
     )
     kwargs = dict(token_budget=GPU_BUDGET, compress_ratio=GPU_C)
     lengths = torch.tensor([total, 20001], device="cuda")
@@ -290,7 +279,9 @@ def test_cuda_selection_equals_the_oracle_bit_for_bit_on_integer_inputs_at_32k()
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_selection_differs_from_the_oracle_only_at_near_ties_at_32k(dtype):
     total = 32768
-    queries, keys = _real_inputs(1, total, GPU_HEADS, GPU_DIM, total // GPU_C, dtype, seed=3)
+    queries, keys = selection_inputs(
+        "normal", 1, total, GPU_HEADS, GPU_DIM, total // GPU_C, dtype, seed=3
+    )
     queries, keys = queries.cuda(), keys.cuda()
     kwargs = dict(token_budget=GPU_BUDGET, compress_ratio=GPU_C)
     routes = select_qsa_token_ids(queries, keys, None, **kwargs)

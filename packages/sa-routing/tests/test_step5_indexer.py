@@ -24,6 +24,7 @@ from sa_routing.step5.reference import (
     round_e4m3,
     selections_differ_beyond_ties,
 )
+from sa_routing.step5.testing import document_positions
 
 SMALL = Step5SparseConfig(
     proxy_dim=32,
@@ -35,17 +36,6 @@ SMALL = Step5SparseConfig(
     topk=3,
     hidden_size=48,
 )
-
-
-def document_positions(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of back-to-back documents, then a padding tail up to `total` tokens."""
-    pos = (
-        torch.cat([torch.arange(n) for n in lengths])
-        if lengths
-        else torch.zeros(0, dtype=torch.int64)
-    )
-    pad = torch.arange(total) >= pos.numel()
-    return torch.cat([pos, torch.zeros(total - pos.numel(), dtype=torch.int64)]), pad
 
 
 def make_indexer(

@@ -5,18 +5,7 @@ import torch
 
 from sa_routing import region_metadata
 from sa_routing.step5.reference import reference_regions
-
-
-def document_positions(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of back-to-back documents, then a padding tail up to `total` tokens."""
-    pos = (
-        torch.cat([torch.arange(n) for n in lengths])
-        if lengths
-        else torch.zeros(0, dtype=torch.int64)
-    )
-    pad = torch.arange(total) >= pos.numel()
-    return torch.cat([pos, torch.zeros(total - pos.numel(), dtype=torch.int64)]), pad
-
+from sa_routing.step5.testing import document_positions
 
 # Two documents (7 and 5 tokens), two padding tokens; region 2, topk 1.
 HAND_POS, HAND_PAD = document_positions([7, 5], 14)

@@ -8,20 +8,10 @@ import torch
 from sa_routing import region_metadata, select_regions
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
 from sa_routing.step5.selection import _merge_tiles
+from sa_routing.step5.testing import document_positions
 
 BACKENDS = ["reference", "triton"]
 METHODS = ["threshold", "composite"]
-
-
-def document_positions(lengths: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of back-to-back documents, then a padding tail up to `total` tokens."""
-    pos = (
-        torch.cat([torch.arange(n) for n in lengths])
-        if lengths
-        else torch.zeros(0, dtype=torch.int64)
-    )
-    pad = torch.arange(total) >= pos.numel()
-    return torch.cat([pos, torch.zeros(total - pos.numel(), dtype=torch.int64)]), pad
 
 
 def integer_inputs(

@@ -1,4 +1,4 @@
-"""Backend choice shared by every op (public: sa-mla and sa-routing dispatch through it too).
+"""Backend choice and argument checks shared by every op (public: sa-mla and sa-routing dispatch through it too).
 
 CUDA tensors run Triton, CPU tensors run the reference.
 
@@ -51,3 +51,34 @@ def resolve_backend(
             "(Triton's interpreter); use CUDA tensors or backend='reference'"
         )
     return "triton"
+
+
+def check_out(
+    op: str,
+    out: object,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    dtype_name: str | None = None,
+) -> None:
+    """Raise ValueError naming `op` unless `out` (an optional output buffer) is None or a contiguous
+    `dtype` tensor of `shape` on `device`; the message calls the dtype `dtype_name` (default `str(dtype)`)."""
+    if out is None:
+        return
+    if (
+        isinstance(out, torch.Tensor)
+        and out.shape == shape
+        and out.dtype == dtype
+        and out.device == device
+        and out.is_contiguous()
+    ):
+        return
+    got = (
+        (tuple(out.shape), out.dtype, out.device)
+        if isinstance(out, torch.Tensor)
+        else type(out).__name__
+    )
+    raise ValueError(
+        f"{op}: out must be a contiguous {dtype_name or dtype} tensor {shape} on {device}; got {got}"
+    )

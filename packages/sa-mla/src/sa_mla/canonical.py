@@ -146,6 +146,9 @@ def backward_rows(
     return None if rows.numel() == nonempty.shape[0] else rows
 
 
+_NO_GRADIENTS = (None,) * 5  # ids, lengths, rows_spec, softmax_scale, kernels
+
+
 class _FusedSparseMla(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv_latent, attn_sink, ids, lengths, rows_spec, softmax_scale, kernels):
@@ -195,16 +198,7 @@ class _FusedSparseMla(torch.autograd.Function):
         )
         kv = kv_latent[:, 0]
         if rows is not None and rows.numel() == 0:
-            return (
-                torch.zeros_like(q),
-                torch.zeros_like(kv_latent),
-                d_sink,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+            return torch.zeros_like(q), torch.zeros_like(kv_latent), d_sink, *_NO_GRADIENTS
         dq_rows, dkv = kernels.backward(
             pad_heads(take(q), padded, 0.0).contiguous(),
             kv.contiguous(),
@@ -221,16 +215,7 @@ class _FusedSparseMla(torch.autograd.Function):
             dq = dq_rows.contiguous()
         else:
             dq = torch.zeros_like(q).index_copy_(0, rows, dq_rows.to(q.dtype))
-        return (
-            dq,
-            dkv.to(kv_latent.dtype).view(kv_latent.shape),
-            d_sink,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return dq, dkv.to(kv_latent.dtype).view(kv_latent.shape), d_sink, *_NO_GRADIENTS
 
 
 def fused_sparse_mla(

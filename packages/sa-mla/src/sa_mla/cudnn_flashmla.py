@@ -72,6 +72,7 @@ def _backward(q, kv, out, dout, lse, attn_sink, ids, softmax_scale, lengths):
 
 
 FLASHMLA_CUDNN = FusedKernels(forward=_forward, backward=_backward)
+CUDNN_DTYPES = (torch.bfloat16,)
 
 
 def cudnn_sparse_attention(
@@ -86,7 +87,9 @@ def cudnn_sparse_attention(
 ) -> torch.Tensor:
     """Sparse latent attention: FlashMLA forward, cuDNN frontend backward (SM90/SM100, bf16).
 
-    MQA over one latent head: keys are whole latent rows, values their first 512 dims.
+    MQA over one latent head: keys are whole latent rows, values their first 512 dims. This is the
+    contract (SEMANTICS §3) that `sparse_mla_triton`, `sparse_mla_reference` and `sparse_mla_attention`
+    share; they differ in the dtypes they take and where they run.
 
     Args:
         q: [tokens, heads, 512 | 576] bf16, unit last stride. Any head count: heads run in chunks of
@@ -111,9 +114,7 @@ def cudnn_sparse_attention(
         ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
             arguments contradict each other.
     """
-    fn = "cudnn_sparse_attention"
-    check_sparse_mla_arguments(
-        fn,
+    args = (
         q,
         kv_latent,
         topk_indices,
@@ -123,22 +124,20 @@ def cudnn_sparse_attention(
         valid_row_indices,
         attn_sink,
     )
+    check_sparse_mla_arguments("cudnn_sparse_attention", *args, allowed_dtypes=CUDNN_DTYPES)
+    return _cudnn_sparse_attention(*args)
+
+
+def _cudnn_sparse_attention(q: torch.Tensor, kv_latent: torch.Tensor, *rest) -> torch.Tensor:
+    """`cudnn_sparse_attention` on arguments already validated (`rest`: topk_indices through attn_sink,
+    in order); raises its RuntimeError when the fused path cannot run here."""
     reason = unavailable_reason(q.device)
     if reason is not None:
         raise RuntimeError(
-            f"{fn}: cannot run: {reason}; use sparse_mla_triton or sparse_mla_reference instead"
+            f"cudnn_sparse_attention: cannot run: {reason}; "
+            "use sparse_mla_triton or sparse_mla_reference instead"
         )
     if kv_latent.stride(-1) != 1:
         kv_latent = kv_latent.contiguous()
-    out, _lse = fused_sparse_mla(
-        FLASHMLA_CUDNN,
-        q,
-        kv_latent,
-        topk_indices,
-        softmax_scale,
-        topk_length,
-        all_rows_nonempty,
-        valid_row_indices,
-        attn_sink,
-    )
+    out, _lse = fused_sparse_mla(FLASHMLA_CUDNN, q, kv_latent, *rest)
     return out

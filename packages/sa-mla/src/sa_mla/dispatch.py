@@ -3,13 +3,13 @@
 import torch
 
 from sa_kernels.backend import resolve_backend
-from sa_mla.cudnn_flashmla import cudnn_sparse_attention, unavailable_reason
-from sa_mla.reference import sparse_mla_reference
-from sa_mla.triton import sparse_mla_triton
-from sa_mla.validation import check_sparse_mla_arguments
+from sa_mla.cudnn_flashmla import CUDNN_DTYPES, _cudnn_sparse_attention, unavailable_reason
+from sa_mla.reference import REFERENCE_DTYPES, sparse_mla_reference_with_lse
+from sa_mla.triton import TRITON_DTYPES, _sparse_mla_triton
+from sa_mla.validation import check_q_dtype, check_sparse_mla_arguments
 
 BACKENDS = ("auto", "cudnn", "triton", "reference")
-ALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+BACKEND_DTYPES = {"cudnn": CUDNN_DTYPES, "triton": TRITON_DTYPES, "reference": REFERENCE_DTYPES}
 
 
 def select_backend(
@@ -38,12 +38,14 @@ def sparse_mla_attention(
     attn_sink: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Sparse latent attention through the best path that can run (same arguments as `cudnn_sparse_attention`).
+    """Sparse latent attention through the best path that can run.
+
+    Arguments as `cudnn_sparse_attention` (q [tokens, heads, 512 | 576], kv_latent [keys, 1, head_dim],
+    topk_indices [tokens, 1, width] int, topk_length [tokens] int, attn_sink [heads] fp32), validated
+    once here; q's dtype must suit the backend that runs (cudnn: bf16; triton: bf16 or fp32;
+    reference: bf16, fp16, fp32 or fp64).
 
     Args:
-        q, kv_latent, topk_indices, softmax_scale, topk_length, all_rows_nonempty, valid_row_indices,
-        attn_sink: as in `cudnn_sparse_attention` (q [tokens, heads, 512 | 576], kv_latent
-            [keys, 1, head_dim], topk_indices [tokens, 1, width] int, attn_sink [heads] fp32).
         backend: "auto" (FlashMLA + cuDNN when both import, the GPU is SM90/SM100 and q is bf16; else
             Triton on CUDA; else the oracle on CPU), "cudnn", "triton" or "reference".
     Returns:
@@ -52,6 +54,7 @@ def sparse_mla_attention(
         RuntimeError: the requested backend cannot run here (the message says why).
         TypeError, ValueError: as `cudnn_sparse_attention`; or an unknown backend (ValueError).
     """
+    fn = "sparse_mla_attention"
     args = (
         q,
         kv_latent,
@@ -62,10 +65,14 @@ def sparse_mla_attention(
         valid_row_indices,
         attn_sink,
     )
-    check_sparse_mla_arguments("sparse_mla_attention", *args, allowed_dtypes=ALL_DTYPES)
+    check_sparse_mla_arguments(fn, *args, allowed_dtypes=REFERENCE_DTYPES)
     chosen = select_backend(backend, q, kv_latent, topk_indices)
+    check_q_dtype(fn, q, BACKEND_DTYPES[chosen], chosen)
     if chosen == "cudnn":
-        return cudnn_sparse_attention(*args)
+        return _cudnn_sparse_attention(*args)
     if chosen == "triton":
-        return sparse_mla_triton(*args)
-    return sparse_mla_reference(*args)
+        return _sparse_mla_triton(q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink)
+    out, _lse = sparse_mla_reference_with_lse(
+        q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink
+    )
+    return out

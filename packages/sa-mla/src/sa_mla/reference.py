@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from sa_mla.validation import VALUE_DIM, check_sparse_mla_arguments
 
 CHUNK_BYTES = 256 * 2**20
+REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def valid_slots(
@@ -113,22 +114,14 @@ def sparse_mla_reference(
 ) -> torch.Tensor:
     """Sparse latent attention, the PyTorch oracle (CPU or GPU; differentiable in q, kv_latent, attn_sink).
 
-    Args:
-        q: [tokens, heads, 512 | 576] bf16, fp32 or fp64.
-        kv_latent: [keys, 1, head_dim], q's dtype. Keys are whole rows, values their first 512 dims.
-        topk_indices: [tokens, 1, width] int32/int64. Ids outside `[0, keys)` (e.g. -1) are ignored;
-            a duplicate id counts once per slot.
-        softmax_scale: > 0, multiplies q·k.
-        topk_length: optional [tokens] int; slots at or past it are ignored (clamped to `[0, width]`).
-        all_rows_nonempty: the caller's promise that every row has a valid id (a hint; unused here).
-        valid_row_indices: optional [rows] int, the rows that have a valid id (a hint; unused here).
-        attn_sink: optional [heads] fp32 logits added to each head's softmax denominator.
+    Arguments, shapes and errors as `cudnn_sparse_attention` (q [tokens, heads, 512 | 576],
+    kv_latent [keys, 1, head_dim], topk_indices [tokens, 1, width] int, topk_length [tokens] int,
+    attn_sink [heads] fp32), except: q and kv_latent are bf16, fp16, fp32 or fp64 (attn_sink may be
+    fp64 with fp64 q), and all_rows_nonempty/valid_row_indices are validated and otherwise unused.
+    It runs anywhere, so it raises no RuntimeError.
+
     Returns:
         [tokens, heads, 512] in q's dtype; rows with no valid id are zero.
-    Raises:
-        TypeError: a dtype or the scale's type is wrong.
-        ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
-            arguments contradict each other.
     """
     check_sparse_mla_arguments(
         "sparse_mla_reference",
@@ -140,7 +133,7 @@ def sparse_mla_reference(
         all_rows_nonempty,
         valid_row_indices,
         attn_sink,
-        allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+        allowed_dtypes=REFERENCE_DTYPES,
     )
     out, _ = sparse_mla_reference_with_lse(
         q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink

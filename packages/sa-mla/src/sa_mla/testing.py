@@ -21,6 +21,10 @@ class SparseMlaProblem:
         """Positional arguments of every public function (hints left at their defaults)."""
         return (self.q, self.kv_latent, self.topk_indices, self.softmax_scale, self.topk_length)
 
+    def grad_inputs(self) -> list[torch.Tensor]:
+        """The differentiable inputs: q, kv_latent and, when there is one, attn_sink."""
+        return [self.q, self.kv_latent] + ([self.attn_sink] if self.attn_sink is not None else [])
+
 
 def random_problem(
     tokens: int,
@@ -93,7 +97,7 @@ def errors_against_oracle(fn, problem: SparseMlaProblem, **hints) -> dict[str, f
     from sa_mla.reference import sparse_mla_reference_with_lse
 
     p = problem
-    inputs = [p.q, p.kv_latent] + ([p.attn_sink] if p.attn_sink is not None else [])
+    inputs = p.grad_inputs()
     oracle_inputs = [t.detach().float().requires_grad_() for t in inputs]
     out = fn(*p.args(), attn_sink=p.attn_sink, **hints)
     sink = oracle_inputs[2] if p.attn_sink is not None else None

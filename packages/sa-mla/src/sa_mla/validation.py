@@ -26,6 +26,16 @@ class SparseMlaShape:
     width: int
 
 
+def check_q_dtype(
+    fn: str, q: torch.Tensor, allowed_dtypes: tuple[torch.dtype, ...], backend: str | None = None
+) -> None:
+    """Raise TypeError naming `fn` (and `backend`, when given) when q's dtype is not allowed."""
+    if q.dtype not in allowed_dtypes:
+        names = " or ".join(str(d) for d in allowed_dtypes)
+        on = "" if backend is None else f" on the {backend!r} backend"
+        raise TypeError(f"{fn}: q must be {names}{on}; got {q.dtype}")
+
+
 def check_sparse_mla_arguments(
     fn: str,
     q: torch.Tensor,
@@ -49,9 +59,7 @@ def check_sparse_mla_arguments(
     for name, value in {**tensors, **optional}.items():
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(value).__name__}")
-    dtype_names = " or ".join(str(d) for d in allowed_dtypes)
-    if q.dtype not in allowed_dtypes:
-        raise TypeError(f"{fn}: q must be {dtype_names}; got {q.dtype}")
+    check_q_dtype(fn, q, allowed_dtypes)
     if kv_latent.dtype != q.dtype:
         raise TypeError(f"{fn}: kv_latent must have q's dtype ({q.dtype}); got {kv_latent.dtype}")
     if topk_indices.dtype not in INDEX_DTYPES:

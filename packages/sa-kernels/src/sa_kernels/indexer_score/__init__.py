@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels.backend import resolve_backend
+from sa_kernels.backend import check_out, resolve_backend
 from sa_kernels.indexer_score import reference
 
 __all__ = ["indexer_score_tile"]
@@ -86,21 +86,7 @@ def indexer_score_tile(
         torch.float64 if chosen == "reference" and query.dtype == torch.float64 else torch.float32
     )
     shape = (batch, groups, stop - start, regions)
-    if out is not None and (
-        not isinstance(out, torch.Tensor)
-        or out.shape != shape
-        or out.dtype != out_dtype
-        or out.device != query.device
-        or not out.is_contiguous()
-    ):
-        got = (
-            (tuple(out.shape), out.dtype, out.device)
-            if isinstance(out, torch.Tensor)
-            else type(out).__name__
-        )
-        raise ValueError(
-            f"{fn}: out must be a contiguous {out_dtype} tensor {shape} on {query.device}; got {got}"
-        )
+    check_out(fn, out, shape, out_dtype, query.device)
     if chosen == "reference":
         with torch.no_grad():
             result = reference.indexer_score_tile(query, weights, summary, start, stop)

@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels.backend import resolve_backend
+from sa_kernels.backend import check_out, resolve_backend
 from sa_kernels.region_bitmap import reference
 
 __all__ = ["pack_region_bitmap"]
@@ -42,21 +42,7 @@ def pack_region_bitmap(
     if not 1 <= regions < 2**31 - 32:
         raise ValueError(f"{fn}: regions must be in [1, 2**31 - 32); got {regions}")
     shape = (*ids.shape[:-1], (regions + 31) // 32)
-    if out is not None and (
-        not isinstance(out, torch.Tensor)
-        or out.shape != shape
-        or out.dtype != torch.int32
-        or out.device != ids.device
-        or not out.is_contiguous()
-    ):
-        got = (
-            (tuple(out.shape), out.dtype, out.device)
-            if isinstance(out, torch.Tensor)
-            else type(out).__name__
-        )
-        raise ValueError(
-            f"{fn}: out must be a contiguous int32 tensor {shape} on {ids.device}; got {got}"
-        )
+    check_out(fn, out, shape, torch.int32, ids.device, dtype_name="int32")
     if resolve_backend(fn, backend, ids) == "reference":
         result = reference.pack_region_bitmap(ids, regions)
         return result if out is None else out.copy_(result)

@@ -8,6 +8,8 @@ from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
 from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.validation import check_sparse_mla_arguments
 
+TRITON_DTYPES = (torch.bfloat16, torch.float32)
+
 
 def lse_with_sink(lse: torch.Tensor, attn_sink: torch.Tensor | None) -> torch.Tensor:
     """Natural-log lse [T, H] of the keys and the sink together (+inf stays +inf for empty rows)."""
@@ -58,27 +60,19 @@ def sparse_mla_triton(
 
     Runs on CUDA tensors (any SM80+ GPU, any head count and top-k width), or on CPU tensors through
     Triton's interpreter when `TRITON_INTERPRET=1`. Same function as `sparse_mla_reference`.
+    Arguments, shapes and errors as `cudnn_sparse_attention` (q [tokens, heads, 512 | 576],
+    kv_latent [keys, 1, head_dim], topk_indices [tokens, 1, width] int, topk_length [tokens] int,
+    attn_sink [heads] fp32), except: q and kv_latent are bf16 or fp32 (fp32 dots may run in TF32 on
+    GPU), and all_rows_nonempty/valid_row_indices are validated and otherwise unused.
 
-    Args:
-        q: [tokens, heads, 512 | 576] bf16 (fp32 also accepted; its dots may run in TF32 on GPU).
-        kv_latent: [keys, 1, head_dim], q's dtype. Keys are whole rows, values their first 512 dims.
-        topk_indices: [tokens, 1, width] int32/int64. Ids outside `[0, keys)` (e.g. -1) are ignored;
-            a duplicate id counts once per slot.
-        softmax_scale: > 0, multiplies q·k.
-        topk_length: optional [tokens] int; slots at or past it are ignored (clamped to `[0, width]`).
-        all_rows_nonempty, valid_row_indices: hints for the cuDNN path, validated and otherwise unused.
-        attn_sink: optional [heads] fp32 logits added to each head's softmax denominator.
     Returns:
         [tokens, heads, 512] in q's dtype; rows with no valid id are zero and get zero gradients.
     Raises:
         RuntimeError: CPU tensors without `TRITON_INTERPRET=1`, or Triton is not installed.
-        TypeError: a dtype or the scale's type is wrong.
-        ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
-            arguments contradict each other.
+        TypeError, ValueError: as `cudnn_sparse_attention`.
     """
-    fn = "sparse_mla_triton"
     check_sparse_mla_arguments(
-        fn,
+        "sparse_mla_triton",
         q,
         kv_latent,
         topk_indices,
@@ -87,9 +81,21 @@ def sparse_mla_triton(
         all_rows_nonempty,
         valid_row_indices,
         attn_sink,
-        allowed_dtypes=(torch.bfloat16, torch.float32),
+        allowed_dtypes=TRITON_DTYPES,
     )
-    resolve_backend(fn, "triton", q, kv_latent, topk_indices)
+    return _sparse_mla_triton(q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink)
+
+
+def _sparse_mla_triton(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+) -> torch.Tensor:
+    """`sparse_mla_triton` on arguments already validated; raises its RuntimeError when Triton cannot run."""
+    resolve_backend("sparse_mla_triton", "triton", q, kv_latent, topk_indices)
     if q.stride(-1) != 1:
         q = q.contiguous()
     ids = ids_as_int32(topk_indices[:, 0], kv_latent.shape[0]).contiguous()
