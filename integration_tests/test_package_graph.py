@@ -11,7 +11,7 @@ ALLOWED = {
     "sa_cp": set(),
     "sa_kernels": set(),
     "sa_routing": {"sa_cp", "sa_kernels"},
-    "sa_mla": {"sa_cp", "sa_kernels"},
+    "sa_mla": {"sa_kernels"},
     "sa_layers": {"sa_cp", "sa_kernels", "sa_routing", "sa_mla"},
 }
 

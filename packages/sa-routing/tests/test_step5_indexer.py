@@ -282,8 +282,15 @@ def test_dense_prefix_needs_no_keys_and_scores_nothing() -> None:
     m = region_metadata(pos[None], pad[None], 0, 25, SMALL.region_size, SMALL.topk)
     assert m.score_tiles == ()
     selection = indexer(hidden, pos[None], None, None, pos[None], pad[None], metadata=m)
-    want = torch.nn.functional.pad(m.dense_region_ids, (0, 0), value=m.region_count)
-    assert torch.equal(selection.region_ids, want.unsqueeze(1).expand(1, 2, 25, 4))
+    # Written out: documents of 16 and 9 tokens, regions of 4 -> global regions 0-3 and 4-6; a query
+    # keeps every region of its document up to its own; unused slots hold region_count (7).
+    assert m.region_count == 7
+    want = torch.full((25, SMALL.topk + 1), 7, dtype=torch.int32)
+    for q in range(25):
+        first, local = (0, q) if q < 16 else (4, q - 16)
+        regions = list(range(first, first + local // SMALL.region_size + 1))
+        want[q, : len(regions)] = torch.tensor(regions, dtype=torch.int32)
+    assert torch.equal(selection.region_ids, want.expand(1, 2, 25, SMALL.topk + 1))
 
 
 def test_indexer_is_frozen_and_selects_without_autograd() -> None:

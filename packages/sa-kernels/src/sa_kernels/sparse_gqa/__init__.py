@@ -136,14 +136,10 @@ def _check_block_mask(fn, block_mask, query, key, token_ids):
 
 
 def _fa4_unavailable(fn: str) -> str:
-    try:
-        import flash_attn.cute  # noqa: F401
-    except ImportError as err:
-        return (
-            f"{fn}: backend='fa4' needs the optional flash-attn-4 package (pip install "
-            f"'sa-kernels[fa4]'); importing it failed: {err}"
-        )
-    return f"{fn}: backend='fa4' is not implemented yet in sa_kernels; use 'gather' or 'flex'"
+    return (
+        f"{fn}: backend='fa4' (FlashAttention-4 block sparsity) is not implemented yet; "
+        "use 'gather' (or 'flex' for shared routes)"
+    )
 
 
 def sparse_gqa_attention(

@@ -4,7 +4,8 @@ Tiles are 128×128 (query tile × key tile). A tile whose every (query, key) pai
 (Flex skips the mask there); a tile with some pairs is *partial*: it gets a 128×128 bitmap (2 KiB)
 and Flex's `mask_mod` reads one bit (a slot table lookup, then one word; int64 flat offsets). Memory
 is O(partial tiles), never a dense [queries, kv_length] bool mask. The tile counts also give the
-*occupancy* (selected pairs / area of the touched tiles) that `backend="auto"` reads.
+*occupancy* (selected pairs / area of the touched tiles). The gather path needs only the canonical
+routes: build with `build_flex=False` when Flex will not run.
 """
 
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ import torch
 from .routes import canonical_routes
 
 TILE = 128
-# build_flex=None builds the Flex mask when at least this fraction of the touched tiles' area is selected: the
-# gather kernel's cost follows the selected pairs, Flex's the touched tiles (docs/benchmarks.md).
+# build_flex=None builds the Flex mask when at least this fraction of the touched tiles' area is selected:
+# the gather kernel's cost follows the selected pairs, Flex's the touched tiles (a heuristic, not measured).
 FLEX_MIN_OCCUPANCY = 0.5
 # Route entries binned per step of the tile count (bounds the int64 temporaries).
 _BIN_CHUNK = 1 << 25

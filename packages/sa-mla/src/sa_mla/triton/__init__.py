@@ -1,4 +1,5 @@
-"""The portable sparse MLA path: Triton forward and backward on any SM80+ GPU (or Triton's interpreter on CPU)."""
+"""The portable sparse MLA path: Triton forward and backward written for SM80+ GPUs (tested on SM90),
+or Triton's interpreter on CPU."""
 
 import torch
 
