@@ -251,7 +251,10 @@ def test_route_block_mask_occupancy_and_tile_counts():
     assert mask.touched_tiles == 2
     assert mask.occupancy == pytest.approx((128 * 128 + 128) / (2 * 128 * 128))
     assert mask.flex is None
-    assert build_route_block_mask(ids, 256, 2, build_flex=None).flex is not None  # 0.5 >= threshold
+    assert mask.statistics is None  # a gather-only build skips the tile binning and its sync
+    flex_mask = build_route_block_mask(ids, 256, 2, build_flex=None)
+    assert flex_mask.flex is not None  # 0.5 >= threshold
+    assert flex_mask.statistics == mask.tile_statistics()
     scattered = torch.arange(256, dtype=torch.int32).view(1, 256, 1) * 0 + torch.arange(
         0, 256, 16, dtype=torch.int32
     )

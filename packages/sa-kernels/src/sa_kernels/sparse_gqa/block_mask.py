@@ -23,6 +23,21 @@ _BIN_CHUNK = 1 << 25
 
 
 @dataclass(frozen=True)
+class TileStatistics:
+    """Host counts of the 128×128 tiles a route set touches (reading them costs one host sync)."""
+
+    touched_tiles: int
+    touched_area: int
+    selected_pairs: int
+    partial_tiles: int
+
+    @property
+    def occupancy(self) -> float:
+        """Selected pairs / area of the touched tiles (1.0: block-aligned routes)."""
+        return self.selected_pairs / self.touched_area if self.touched_area else 1.0
+
+
+@dataclass(frozen=True)
 class RouteBlockMask:
     """Canonical routes plus their tile structure; pass it to `sparse_gqa_attention(block_mask=...)`.
 
@@ -32,19 +47,34 @@ class RouteBlockMask:
     counts: int32 [batch, route_heads, queries], prefix length per row.
     kv_length: number of keys the routes address.
     query_heads: query heads the Flex mask addresses (route head = query head // group).
-    occupancy: selected pairs / area of the 128×128 tiles they touch (1.0: block-aligned routes).
-    touched_tiles: tiles holding at least one pair, over all (batch, route head).
     flex: the FlexAttention `BlockMask` ([batch, query_heads or 1, queries, kv_length]), or None
         when it was not built.
+    statistics: the tile counts when the build needed them (Flex); None for a gather-only mask,
+        whose build skips the tile binning and its host sync.
     """
 
     routes: torch.Tensor
     counts: torch.Tensor
     kv_length: int
     query_heads: int
-    occupancy: float
-    touched_tiles: int
-    flex: object | None
+    flex: object | None = None
+    statistics: TileStatistics | None = None
+
+    def tile_statistics(self) -> TileStatistics:
+        """The tile counts: the build's, or computed now from the routes (one host sync)."""
+        if self.statistics is not None:
+            return self.statistics
+        return _tile_masks(self.routes, self.kv_length)[2]
+
+    @property
+    def occupancy(self) -> float:
+        """Selected pairs / area of the 128×128 tiles they touch (1.0: block-aligned routes)."""
+        return self.tile_statistics().occupancy
+
+    @property
+    def touched_tiles(self) -> int:
+        """Tiles holding at least one pair, over all (batch, route head)."""
+        return self.tile_statistics().touched_tiles
 
     @property
     def route_heads(self) -> int:
@@ -156,8 +186,9 @@ def build_route_block_mask(
         kv_length: number of keys (S_kv).
         query_heads: query heads of the attention that will use the mask (a multiple of kv_heads).
         build_flex: also build the Flex `BlockMask` (needs torch's flex_attention module); False
-            keeps only the canonical routes and tile statistics (what the gather kernel needs);
-            None builds it only when the occupancy reaches FLEX_MIN_OCCUPANCY.
+            keeps only the canonical routes (what the gather kernel needs: no tile binning, no
+            host sync beyond canonicalisation); None builds it only when the occupancy reaches
+            FLEX_MIN_OCCUPANCY.
     Returns:
         RouteBlockMask, reusable across layers and in recompute for the same routes and geometry.
     Raises:
@@ -184,24 +215,17 @@ def build_route_block_mask(
             f"got {query_heads}"
         )
     routes, counts = canonical_routes(routes4, kv_length)
-    pairs = tile_pair_counts(routes, kv_length)
-    area = _tile_area(routes.shape[2], kv_length, routes.device)
-    touched = pairs > 0
-    full = pairs == area
-    partial = touched & ~full
-    stats = torch.stack([touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum()])
-    touched_tiles, touched_area, selected, partial_tiles = stats.tolist()  # one host sync
-    occupancy = selected / touched_area if touched_area else 1.0
-    if build_flex is None:
-        build_flex = occupancy >= FLEX_MIN_OCCUPANCY
+    if build_flex is False:
+        return RouteBlockMask(routes, counts, kv_length, query_heads)
+    full, partial, statistics = _tile_masks(routes, kv_length)
     flex = None
-    if build_flex:
+    if build_flex or statistics.occupancy >= FLEX_MIN_OCCUPANCY:
         from torch.nn.attention.flex_attention import BlockMask
 
         slots = torch.where(full, _FULL, -1).to(torch.int32)
         order = torch.cumsum(partial.reshape(-1), 0, dtype=torch.int32).view_as(slots) - 1
         slots = torch.where(partial, order, slots)
-        bits = partial_tile_bitmaps(routes, kv_length, slots, partial_tiles)
+        bits = partial_tile_bitmaps(routes, kv_length, slots, statistics.partial_tiles)
         kv_num, kv_idx = _blocks_first(partial)
         full_num, full_idx = _blocks_first(full)
         if route_heads > 1:
@@ -218,12 +242,17 @@ def build_route_block_mask(
             mask_mod=route_mask_mod(slots, bits, query_heads),
             seq_lengths=(routes.shape[2], kv_length),
         )
-    return RouteBlockMask(
-        routes=routes,
-        counts=counts,
-        kv_length=kv_length,
-        query_heads=query_heads,
-        occupancy=occupancy,
-        touched_tiles=touched_tiles,
-        flex=flex,
-    )
+    return RouteBlockMask(routes, counts, kv_length, query_heads, flex, statistics)
+
+
+def _tile_masks(
+    routes: torch.Tensor, kv_length: int
+) -> tuple[torch.Tensor, torch.Tensor, TileStatistics]:
+    """Full and partial tiles (bool [batch, route_heads, query_tiles, kv_tiles]) and their counts."""
+    pairs = tile_pair_counts(routes, kv_length)
+    area = _tile_area(routes.shape[2], kv_length, routes.device)
+    touched = pairs > 0
+    full = pairs == area
+    partial = touched & ~full
+    stats = torch.stack([touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum()])
+    return full, partial, TileStatistics(*stats.tolist())  # one host sync
