@@ -109,6 +109,8 @@ def test_rows_past_their_length_are_all_padding():
     assert (routes[0, 13:] == -1).all()
     assert (routes[1] == -1).all()
     assert (routes[0, :13] >= 0).any(dim=1).all()
+    host = select_qsa_token_ids(queries, keys, [13, 0], token_budget=4, compress_ratio=2)
+    assert torch.equal(host, routes)  # host lengths: same routes, no read-back
 
 
 def test_packed_routes_are_per_document_routes_shifted_by_the_start():
@@ -153,6 +155,8 @@ def test_packed_routes_are_per_document_routes_shifted_by_the_start():
         ({"keys": torch.randn(2, 3, 1, 4)}, ValueError, "needs 10"),
         ({"lengths": torch.tensor([21, 3])}, ValueError, r"lie in \[0, 20\]"),
         ({"lengths": torch.tensor([2.0, 3.0])}, TypeError, "integer tensor"),
+        ({"lengths": [3]}, ValueError, "hold 2 ints"),
+        ({"lengths": [3, 2.0]}, ValueError, "hold 2 ints"),
         ({"query_position_offset": -1}, ValueError, "query_position_offset"),
         ({"global_sequence_length": 10}, ValueError, "global_sequence_length"),
         ({"cu_seqlens": torch.tensor([0, 5, 9])}, ValueError, "needs batch 1"),
@@ -166,6 +170,8 @@ def test_packed_routes_are_per_document_routes_shifted_by_the_start():
         "too-few-blocks",
         "length-too-long",
         "float-lengths",
+        "host-lengths-too-few",
+        "host-lengths-float",
         "negative-offset",
         "global-too-short",
         "packed-batch-2",

@@ -61,7 +61,7 @@ def validate_route_arguments(
 def select_qsa_token_ids(
     index_queries: torch.Tensor,
     compressed_keys: torch.Tensor,
-    sequence_lengths: torch.Tensor | None,
+    sequence_lengths: torch.Tensor | list[int] | tuple[int, ...] | None,
     *,
     token_budget: int,
     compress_ratio: int,
@@ -88,7 +88,8 @@ def select_qsa_token_ids(
         index_queries: [batch, local_queries, index_heads, index_dim] floating, normalised and rotated.
         compressed_keys: [batch, blocks, 1, index_dim] floating. Packed: batch 1 and each document's
             blocks in document order (document d's first block is `Σ_{e<d} len_e // c`).
-        sequence_lengths: int [batch] logical lengths in global positions (right padding), or `None`
+        sequence_lengths: int [batch] logical lengths in global positions (right padding), as a tensor
+            (read back once) or a host list/tuple (no synchronisation), or `None`
             (every row has `global_sequence_length` tokens). Must be `None` with `cu_seqlens`.
         token_budget: tokens per sparse row before the tail; a multiple of `compress_ratio`.
         compress_ratio: tokens per block (`c`), > 1.
@@ -169,13 +170,23 @@ def select_qsa_token_ids(
     else:
         if sequence_lengths is None:
             lengths = [total] * batch
+        elif isinstance(sequence_lengths, (list, tuple)):  # host lengths: no synchronisation
+            if len(sequence_lengths) != batch or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in sequence_lengths
+            ):
+                raise ValueError(
+                    f"{_OP}: sequence_lengths must hold {batch} ints (one per batch row); got {sequence_lengths!r}"
+                )
+            lengths = list(sequence_lengths)
         else:
             if (
                 not isinstance(sequence_lengths, torch.Tensor)
                 or sequence_lengths.is_floating_point()
                 or sequence_lengths.is_complex()
             ):
-                raise TypeError(f"{_OP}: sequence_lengths must be an integer tensor or None")
+                raise TypeError(
+                    f"{_OP}: sequence_lengths must be an integer tensor, a list of ints or None"
+                )
             if tuple(sequence_lengths.shape) != (batch,):
                 raise ValueError(
                     f"{_OP}: sequence_lengths must be [batch] = ({batch},); got {tuple(sequence_lengths.shape)}"
