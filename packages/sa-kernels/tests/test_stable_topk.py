@@ -26,30 +26,61 @@ CASES = [
 ]
 
 
+BACKENDS = ["reference", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize(("shape", "k", "dim"), CASES)
-def test_equals_the_stable_sort_on_tied_scores(shape, k, dim, dtype):
+def test_equals_the_stable_sort_on_tied_scores(shape, k, dim, dtype, backend):
     scores = _tied_scores(shape, dtype, seed=sum(shape) + k)
     before = scores.clone()
-    got = stable_topk(scores, k, dim)
+    if backend == "triton" and dtype == torch.float64:
+        with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+            stable_topk(scores, k, dim, backend=backend)
+        return
+    got = stable_topk(scores, k, dim, backend=backend)
     expected = reference.stable_topk(scores, k, dim)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
     assert torch.equal(scores, before), "scores must not be modified"
 
 
-def test_equals_the_stable_sort_on_random_scores_with_repeated_columns():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equals_the_stable_sort_on_random_scores_with_repeated_columns(backend):
     generator = torch.Generator().manual_seed(7)
     scores = torch.randn(9, 301, generator=generator)
     scores[:, 150:] = scores[:, :151]  # every value appears twice: the lower position must win
-    got = stable_topk(scores, 100)
+    got = stable_topk(scores, 100, backend=backend)
     assert torch.equal(got, reference.stable_topk(scores, 100))
     assert (got < 151).sum() >= 50
 
 
-def test_all_equal_scores_keep_the_first_positions():
-    got = stable_topk(torch.full((4, 20), 2.5), 6)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_equal_scores_keep_the_first_positions(backend):
+    got = stable_topk(torch.full((4, 20), 2.5), 6, backend=backend)
     assert torch.equal(got, torch.arange(6).expand(4, 6))
+
+
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(1, 1), (16, 16), (17, 9), (1025, 512), (2048, 1)],
+    ids=["n1", "n16-k-equals-n", "n17-just-past-a-block", "n1025-k512", "n2048-k1"],
+)
+def test_triton_rows_equal_the_stable_sort_across_block_sizes(n, k):
+    """Row lengths on and just past the kernel's power-of-two blocks; extreme magnitudes and -inf."""
+    generator = torch.Generator().manual_seed(n + k)
+    scores = torch.randn(5, n, generator=generator) * torch.logspace(-30, 30, n)
+    scores[1] = scores[0].flip(0)
+    scores[2, ::3] = float("-inf")
+    scores[3] = scores[3].round()  # ties between distinct positions
+    got = stable_topk(scores, k, backend="triton")
+    assert torch.equal(got, reference.stable_topk(scores, k))
+
+
+def test_triton_backend_refuses_rows_longer_than_a_program_holds():
+    with pytest.raises(ValueError, match="at most 32768"):
+        stable_topk(torch.randn(1, 32769), 4, backend="triton")
 
 
 def test_k_zero_gives_an_empty_result_of_the_right_shape():
@@ -81,3 +112,13 @@ def test_equals_the_stable_sort_on_cuda_at_real_size(dtype):
     scores[:350] += torch.randn(350, 32771, device="cuda").to(dtype)
     got = stable_topk(scores, 512)
     assert torch.equal(got, reference.stable_topk(scores, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [32768, 16385, 3000], ids=lambda n: f"n{n}")
+def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n):
+    scores = _tied_scores((600, n), torch.float32, seed=n, device="cuda")
+    scores[:300] += torch.randn(300, n, device="cuda")
+    got = stable_topk(scores, 512, backend="triton")
+    assert torch.equal(got, reference.stable_topk(scores, 512))
+    assert torch.equal(got, stable_topk(scores, 512, backend="reference"))

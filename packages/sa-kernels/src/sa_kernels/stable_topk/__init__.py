@@ -2,6 +2,8 @@
 
 import torch
 
+from sa_kernels.backend import resolve_backend
+
 __all__ = ["stable_topk"]
 
 _TIE_BASE = 2**30
@@ -10,28 +12,42 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 _INT32_MIN = torch.iinfo(torch.int32).min
 
 
-def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def stable_topk(
+    scores: torch.Tensor, k: int, dim: int = -1, *, backend: str = "auto"
+) -> torch.Tensor:
     """Positions of the `k` best entries along `dim`, ties broken towards the lower position.
 
     The chosen set is exactly the first `k` positions of a stable descending sort
-    (`reference.stable_topk`), so it never depends on how `torch.topk` orders equal values. How: a
-    float `torch.topk` gives the k-th best score `t`; every entry above `t` is kept, and among entries
-    equal to `t` an int32 `torch.topk` over the keys `2**30 - position` keeps the lowest positions
-    (every winner of both calls is distinct, so neither call's tie order matters). Two top-k passes,
-    one int32 key tensor of `scores`' shape and one boolean mask; no full sort, no host sync. `-0.0`
-    ties with `+0.0` and `-inf` is an ordinary (lowest) score, as in `torch.sort`. Not differentiable.
+    (`reference.stable_topk`), so it never depends on how `torch.topk` orders equal values. `-0.0`
+    ties with `+0.0` and `-inf` is an ordinary (lowest) score, as in `torch.sort`. No full sort, no
+    host sync. Not differentiable.
+
+    Two paths, same result:
+    - "triton" (auto on CUDA for float32/bfloat16/float16 rows of at most 32768 entries): one program
+      per row, radix select of the k-th best score then a prefix sum (`triton_kernels`); reads the
+      scores once, no workspace.
+    - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
+      every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
+      keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so
+      neither call's tie order matters). Two top-k passes, one int32 key tensor of `scores`' shape.
 
     Args:
         scores: [..., n, ...] float16/bfloat16/float32/float64 on any device, without NaN (a NaN
             makes the result unspecified); `n = scores.shape[dim] < 2**30`.
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
+        backend: "auto", "triton" (on CPU through `TRITON_INTERPRET=1`) or "reference".
     Returns:
         int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen positions along `dim`,
         in ascending order.
     Raises:
         TypeError: scores is not a floating-point tensor; k or dim is not an int.
-        ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`.
+        ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
+            float64 tensor or rows longer than 32768.
+        RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
     if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
@@ -50,11 +66,29 @@ def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
         raise ValueError(f"{fn}: k must lie in [0, {n}] (scores.shape[{dim}]); got {k}")
     if n >= _TIE_BASE:
         raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
+    use_triton = resolve_backend(fn, backend, scores) == "triton"
+    if use_triton:
+        from .triton_kernels import MAX_ROW
+
+        fits = scores.dtype in _TRITON_DTYPES and n <= MAX_ROW
+        if backend == "triton" and not fits:
+            raise ValueError(
+                f"{fn}: backend='triton' needs float32/bfloat16/float16 rows of at most {MAX_ROW} "
+                f"entries; got {scores.dtype} rows of {n}"
+            )
+        use_triton = fits
     with torch.no_grad():
         last = scores.detach().movedim(dim, -1)
         if k == 0:
             shape = (*last.shape[:-1], 0)
             return torch.empty(shape, dtype=torch.int64, device=scores.device).movedim(-1, dim)
+        if use_triton:
+            from .triton_kernels import stable_topk_rows
+
+            rows = last.reshape(-1, n)
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            return stable_topk_rows(rows, k).view(*last.shape[:-1], k).movedim(-1, dim)
         return _threshold_topk(last, k).movedim(-1, dim)
 
 

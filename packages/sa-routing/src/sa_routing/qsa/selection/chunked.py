@@ -33,11 +33,25 @@ SCORE_TEMP_BUDGET_BYTES = 256 * 1024 * 1024
 _TEMP_BYTES_PER_SCORE = 24
 """Upper bound of the temporaries alive per scored (row, block): FP64 sum and head product while
 scoring (16), then FP32 scores, int32 top-k keys and a boolean mask while selecting (< 16)."""
-_TRITON_TEMP_BYTES_PER_SCORE = 16
-"""The same bound on the Triton path: FP32 scores, int32 top-k keys, a boolean mask (9), with room
-for the top-k passes' scratch and the chunk's queries."""
+_TRITON_TEMP_BYTES_PER_SCORE = 4
+"""The same bound on the Triton path, where `stable_topk`'s kernel reads the FP32 scores in place."""
+_TRITON_LONG_ROW_TEMP_BYTES_PER_SCORE = 16
+"""Rows longer than the top-k kernel holds take `stable_topk`'s PyTorch path: FP32 scores, int32
+keys, a boolean mask (9), with room for its top-k passes' scratch."""
+
+
+def triton_bytes_per_score(columns: int) -> int:
+    """Temporary bytes per scored (row, block) on the Triton path for rows of `columns` blocks."""
+    from sa_kernels.stable_topk.triton_kernels import MAX_ROW
+
+    if columns <= MAX_ROW:
+        return _TRITON_TEMP_BYTES_PER_SCORE
+    return _TRITON_LONG_ROW_TEMP_BYTES_PER_SCORE
+
+
 _TEMP_BYTES_PER_KEPT = 32
-"""Per row and kept block: the top-k values, indices and sorted indices."""
+"""Per row and kept block: the top-k values, indices and sorted indices (plus `8 * c` for the
+expanded token ids and their concatenation with the tail)."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +118,9 @@ def _top_blocks(scores: torch.Tensor, visible: torch.Tensor, kept: int) -> torch
     return stable_topk(scores, kept)
 
 
-def _chunk_rows(columns: int, kept: int, bytes_per_score: int) -> int:
+def _chunk_rows(columns: int, kept: int, c: int, bytes_per_score: int) -> int:
     """Rows per chunk that keep one chunk's score temporaries within `SCORE_TEMP_BUDGET_BYTES`."""
-    per_row = columns * bytes_per_score + kept * _TEMP_BYTES_PER_KEPT
+    per_row = columns * bytes_per_score + kept * (_TEMP_BYTES_PER_KEPT + 8 * c)
     return max(1, SCORE_TEMP_BUDGET_BYTES // per_row)
 
 
@@ -157,10 +171,8 @@ def select_segments(
         from .triton_scores import qsa_block_scores_triton, score_dtype
 
         operand = None  # the kernel's operand dtype, fixed by the first chunk's queries
-        bytes_per_score = _TRITON_TEMP_BYTES_PER_SCORE
     else:
         keys = keys.double()  # once, not per chunk (qsa_block_scores scores in FP64)
-        bytes_per_score = _TEMP_BYTES_PER_SCORE
     dense_chunk = query_chunk_size or max(1, SCORE_TEMP_BUDGET_BYTES // (width * 8))
     for seg in segments:
         dense = min(max(dense_limit - seg.first_position, 0), seg.rows)
@@ -175,7 +187,10 @@ def select_segments(
         if dense == seg.rows:
             continue
         most_visible = (seg.first_position + seg.rows) // c
-        chunk = query_chunk_size or _chunk_rows(most_visible, kept, bytes_per_score)
+        bytes_per_score = (
+            triton_bytes_per_score(most_visible) if use_triton else _TEMP_BYTES_PER_SCORE
+        )
+        chunk = query_chunk_size or _chunk_rows(most_visible, kept, c, bytes_per_score)
         for start in range(dense, seg.rows, chunk):
             stop = min(start + chunk, seg.rows)
             position = seg.first_position + torch.arange(

@@ -1,7 +1,8 @@
 """The GPU block scorer: `Σ_h relu(q_h · k_b) / sqrt(D)` for a chunk of query rows, FP32, in one kernel.
 
-Each program scores a `BLOCK_M × BLOCK_N` tile of (row, block) pairs: the key tile is loaded once, each
-head is one `tl.dot` over the whole (padded) head dim with FP32 accumulation, relu'd and added to the
+Each program scores a `BLOCK_M × BLOCK_N` tile of (row, block) pairs: for 16-bit operands the key tile is
+loaded once and each head is one `tl.dot` over the whole (padded) head dim with FP32 accumulation (FP32
+operands: exact dots over 32-wide head-dim slices, summed in order); each head's dot is relu'd and added to the
 tile's sum in head order, scaled by `1/sqrt(D)`, and blocks a row cannot see (`b >= (p + 1) // c`) are
 set to −inf. Tiles wholly past their last row's visible blocks only store −inf. No per-head
 `[rows, blocks]` tensor exists.
@@ -22,7 +23,10 @@ import triton.language as tl
 from sa_kernels.backend import triton_interpret
 
 _BLOCK_M, _BLOCK_N, _NUM_WARPS = 128, 128, 8
-"""The one compiled configuration (H200: 4 × [128, 128] × [128, 128] BF16 dots per program)."""
+"""The one compiled configuration for 16-bit operands (H200: 4 × [128, 128] × [128, 128] BF16 dots per program)."""
+_FP32_BLOCK_M, _FP32_BLOCK_N, _FP32_BLOCK_K, _FP32_NUM_WARPS = 64, 64, 32, 4
+"""FP32 operands: exact (IEEE) dots over 32-wide head-dim slices; one [128, 128, 128] IEEE dot per head
+unrolls into so many FMAs that Triton took 68 s to compile it on the H200."""
 _INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N = 32, 16
 """Small tiles under the interpreter, so that small test shapes still span several tiles."""
 
@@ -58,6 +62,7 @@ def _qsa_scores_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -74,20 +79,38 @@ def _qsa_scores_kernel(
     if pid_n * BLOCK_N >= tile_visible:
         tl.store(out_ptrs, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=out_ok)
     else:
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < dim
-        keys = tl.load(
-            k_ptr + n.to(tl.int64)[:, None] * stride_kb + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        keys_t = tl.trans(keys)
-        q_ptrs = q_ptr + r.to(tl.int64)[:, None] * stride_qr + d[None, :]
-        q_ok = r_ok[:, None] & d_ok[None, :]
+        q_rows = q_ptr + r.to(tl.int64)[:, None] * stride_qr
+        k_rows = k_ptr + n.to(tl.int64)[:, None] * stride_kb
         score = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h in tl.static_range(HEADS):
-            q = tl.load(q_ptrs + h * stride_qh, mask=q_ok, other=0.0)
-            score += tl.maximum(_dot(q, keys_t, IEEE, UPCAST), 0.0)
+        if BLOCK_K == BLOCK_D:  # 16-bit operands: one dot per head over the whole head dim
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < dim
+            keys_t = tl.trans(
+                tl.load(k_rows + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            )
+            for h in tl.static_range(HEADS):
+                q = tl.load(
+                    q_rows + h * stride_qh + d[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                score += tl.maximum(_dot(q, keys_t, IEEE, UPCAST), 0.0)
+        else:  # FP32 operands: exact products are long to compile, so a loop over head-dim slices
+            for h in tl.static_range(HEADS):
+                head = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for d0 in range(0, dim, BLOCK_K):
+                    d = d0 + tl.arange(0, BLOCK_K)
+                    d_ok = d < dim
+                    keys_t = tl.trans(
+                        tl.load(k_rows + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    )
+                    q = tl.load(
+                        q_rows + h * stride_qh + d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )
+                    head += _dot(q, keys_t, IEEE, UPCAST)
+                score += tl.maximum(head, 0.0)
         score = score * scale
         visible = (first_position + r + 1) // compress_ratio
         score = tl.where(n[None, :] < visible[:, None], score, float("-inf"))
@@ -130,9 +153,14 @@ def qsa_block_scores_triton(
     if rows == 0 or columns == 0:
         return out
     interpret = triton_interpret()
-    block_m, block_n = (
-        (_INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N) if interpret else (_BLOCK_M, _BLOCK_N)
-    )
+    ieee = queries.dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_m, block_n, block_k, num_warps = _BLOCK_M, _BLOCK_N, block_d, _NUM_WARPS
+    if ieee:
+        block_m, block_n, num_warps = _FP32_BLOCK_M, _FP32_BLOCK_N, _FP32_NUM_WARPS
+        block_k = min(_FP32_BLOCK_K, block_d)
+    if interpret:
+        block_m, block_n = _INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N
     grid = (triton.cdiv(rows, block_m), triton.cdiv(columns, block_n))
     _qsa_scores_kernel[grid](
         queries,
@@ -151,9 +179,10 @@ def qsa_block_scores_triton(
         HEADS=heads,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        IEEE=queries.dtype == torch.float32,
-        UPCAST=interpret and queries.dtype != torch.float32,
-        num_warps=_NUM_WARPS,
+        BLOCK_D=block_d,
+        BLOCK_K=block_k,
+        IEEE=ieee,
+        UPCAST=interpret and not ieee,
+        num_warps=num_warps,
     )
     return out

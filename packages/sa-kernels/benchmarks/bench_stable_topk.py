@@ -1,0 +1,79 @@
+"""stable_topk on the GPU: the Triton radix-select kernel vs the PyTorch two-top-k path, same run.
+
+Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row at 128k tokens, keep 512)
+and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
+PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
+deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
+`--sweep` also times every warp count the kernel allows and prints the best per shape.
+
+    python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
+"""
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from sa_kernels import stable_topk
+from sa_kernels.stable_topk.triton_kernels import default_num_warps, stable_topk_rows
+
+SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048, 64)]
+
+
+def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
+    scores = torch.randn(rows, n, device="cuda")
+    got = stable_topk(scores, k, backend="triton")
+    assert torch.equal(got, stable_topk(scores, k, backend="reference")), (rows, n, k)
+    triton_ms = do_bench(lambda: stable_topk(scores, k, backend="triton"), rep=100)
+    torch_ms = do_bench(lambda: stable_topk(scores, k, backend="reference"), rep=100)
+    topk_ms = do_bench(lambda: torch.topk(scores, k, dim=-1, sorted=False), rep=100)
+    copy_ms = do_bench(scores.clone, rep=100)
+    row = {
+        "rows": rows,
+        "n": n,
+        "k": k,
+        "triton_ms": triton_ms,
+        "torch_path_ms": torch_ms,
+        "torch_topk_ms": topk_ms,
+        "copy_ms": copy_ms,
+        "speedup_vs_torch_path": torch_ms / triton_ms,
+        "gbps": rows * n * 4 / triton_ms / 1e6,
+    }
+    if sweep:
+        block = max(16, 1 << (n - 1).bit_length())
+        timings = {
+            warps: do_bench(lambda w=warps: stable_topk_rows(scores, k, _num_warps=w), rep=50)
+            for warps in (4, 8, 16, 32)
+        }
+        row.update(
+            sweep_ms=timings,
+            default_warps=default_num_warps(block),
+            best_warps=min(timings, key=timings.get),
+        )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time every warp count per shape")
+    parser.add_argument("--json", help="write the rows as JSON to this path")
+    args = parser.parse_args()
+    rows_out = []
+    for rows, n, k in SHAPES:
+        row = bench_shape(rows, n, k, args.sweep)
+        rows_out.append(row)
+        print(
+            f"[{rows}, {n}] k {k}: triton {row['triton_ms']:.3f} ms ({row['gbps']:.0f} GB/s), "
+            f"torch path {row['torch_path_ms']:.3f} ({row['speedup_vs_torch_path']:.2f}x), "
+            f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}"
+            + (f", sweep {row['sweep_ms']} best {row['best_warps']}" if args.sweep else ""),
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
