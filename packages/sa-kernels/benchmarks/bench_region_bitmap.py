@@ -3,7 +3,10 @@
 Bytes count the ids read once and the bitmap written once. `vs_copy` = achieved GB/s over the device-to-device
 copy bandwidth measured in this run.
 
-    python packages/sa-kernels/benchmarks/bench_region_bitmap.py [--quick] [--json PATH]
+    python packages/sa-kernels/benchmarks/bench_region_bitmap.py [--quick] [--sweep] [--json PATH]
+
+`--sweep` times every (ROWS, num_warps) launch config on the target shape, checks each writes the default's
+bits, and prints the best (the default config lives in `region_bitmap/triton_kernels.py`).
 """
 
 import argparse
@@ -13,7 +16,7 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import pack_region_bitmap
-from sa_kernels.region_bitmap import reference
+from sa_kernels.region_bitmap import reference, triton_kernels
 
 
 def copy_bandwidth_gbps(nbytes: int) -> float:
@@ -61,10 +64,55 @@ def _bench_shape(
     return row
 
 
+def _sweep(
+    batch: int, groups: int, queries: int, slots: int, regions: int, copy_gbps: float
+) -> list:
+    ids = sorted_ids((batch, groups, queries, slots), regions)
+    words = (regions + 31) // 32
+    expected = pack_region_bitmap(ids, regions)
+    nbytes = ids.numel() * 4 + expected.numel() * 4
+    rows = []
+    for cfg in triton_kernels.SWEEP_CONFIGS:
+        out = torch.full((batch, groups, queries, words), -1, dtype=torch.int32, device="cuda")
+        triton_kernels.pack_region_bitmap(ids, regions, out, _config=cfg)
+        if not torch.equal(out, expected):
+            raise AssertionError(f"sweep config {cfg} wrote different bits than the default")
+        ms = do_bench(
+            lambda cfg=cfg, out=out: triton_kernels.pack_region_bitmap(
+                ids, regions, out, _config=cfg
+            ),
+            warmup=10,
+            rep=50,
+        )
+        gbps = nbytes / ms / 1e6
+        rows.append(
+            {
+                "name": "pack_region_bitmap sweep",
+                "shape": f"B{batch} G{groups} Q{queries} slots{slots} R{regions}",
+                "config": cfg,
+                "ms": round(ms, 4),
+                "gbps": round(gbps, 1),
+                "vs_copy": round(gbps / copy_gbps, 3),
+            }
+        )
+        print(
+            f"  sweep {cfg}: {ms:.4f} ms {gbps:.0f} GB/s {gbps / copy_gbps:.2f}x copy", flush=True
+        )
+    best = min(rows, key=lambda r: r["ms"])
+    print(
+        f"best config: {best['config']} {best['ms']:.4f} ms ({best['vs_copy']:.2f}x copy)",
+        flush=True,
+    )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="only the G=4, Q=16384, 513 slots, 16384 regions shape"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time every launch config on the target shape"
     )
     parser.add_argument("--json", help="write the rows as JSON to this path")
     args = parser.parse_args()
@@ -77,6 +125,8 @@ def main() -> None:
     rows = []
     for shape in shapes:
         rows.append(_bench_shape(*shape, copy_gbps))
+    if args.sweep:
+        rows += _sweep(*shapes[0], copy_gbps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sa_kernels import clamped_swiglu
-from sa_kernels.clamped_swiglu import reference
+from sa_kernels.clamped_swiglu import reference, triton_kernels
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -43,6 +43,44 @@ def test_triton_forward_and_backward_match_reference(shape, dtype, limit):
     d_gate, d_up = reference.clamped_swiglu_backward(grad, gate, up, limit)
     torch.testing.assert_close(g1.grad, d_gate, **_tol(dtype))
     torch.testing.assert_close(u1.grad, d_up, **_tol(dtype))
+
+
+def _config_id(cfg: dict) -> str:
+    grid = "flat" if cfg["FLAT"] else "2d"
+    evict = "-evict" if cfg["EVICT"] else ""
+    wide = "-int64" if cfg.get("WIDE") else ""
+    return f"block{cfg['BLOCK']}-warps{cfg['num_warps']}-{grid}{evict}{wide}"
+
+
+CPU_SWEEP = [
+    {"BLOCK": 256, "num_warps": 4, "FLAT": False, "EVICT": False},
+    {"BLOCK": 128, "num_warps": 2, "FLAT": True, "EVICT": True},
+    {"BLOCK": 256, "num_warps": 4, "FLAT": False, "EVICT": False, "WIDE": True},
+    {"BLOCK": 128, "num_warps": 4, "FLAT": True, "EVICT": False, "WIDE": True},
+    {"BLOCK": 512, "num_warps": 4, "FLAT": True, "EVICT": False},
+]
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided-halves"])
+@pytest.mark.parametrize("cfg", CPU_SWEEP, ids=_config_id)
+def test_launch_configs_give_bit_identical_forward_and_backward(cfg, contiguous):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(5, 2 * 333, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    if contiguous:
+        gate, up = gate.contiguous(), up.contiguous()
+    grad = torch.randn(5, 333, generator=gen).bfloat16()
+    base = triton_kernels.clamped_swiglu_forward(gate, up, 3.0)
+    got = triton_kernels.clamped_swiglu_forward(gate, up, 3.0, _config=cfg)
+    assert not got.isnan().any()
+    assert torch.equal(got, base)
+    torch.testing.assert_close(
+        got, reference.clamped_swiglu_forward(gate, up, 3.0), atol=2e-2, rtol=2e-2
+    )
+    base_grads = triton_kernels.clamped_swiglu_backward(grad, gate, up, 3.0)
+    grads = triton_kernels.clamped_swiglu_backward(grad, gate, up, 3.0, _config=cfg)
+    for g, b in zip(grads, base_grads, strict=True):
+        assert torch.equal(g, b)
 
 
 def test_strided_halves_of_a_fused_gate_up_projection_are_read_in_place():
@@ -118,6 +156,19 @@ def test_errors_name_the_argument_and_the_values():
         clamped_swiglu(gate.double(), up.double(), 1.0, backend="triton")
     with pytest.raises(TypeError, match=r"limit must be a float"):
         clamped_swiglu(gate, up, "7")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", triton_kernels.SWEEP_CONFIGS, ids=_config_id)
+def test_cuda_sweep_configs_are_bit_identical_to_the_default(cfg):
+    gate, up = _inputs((1000, 4096), torch.bfloat16, device="cuda", seed=6)
+    grad = torch.randn_like(gate)
+    base = triton_kernels.clamped_swiglu_forward(gate, up, 7.0)
+    assert torch.equal(triton_kernels.clamped_swiglu_forward(gate, up, 7.0, _config=cfg), base)
+    base_grads = triton_kernels.clamped_swiglu_backward(grad, gate, up, 7.0)
+    grads = triton_kernels.clamped_swiglu_backward(grad, gate, up, 7.0, _config=cfg)
+    for g, b in zip(grads, base_grads, strict=True):
+        assert torch.equal(g, b)
 
 
 @pytest.mark.gpu

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from sa_kernels import indexer_score_tile, round_to_e4m3
-from sa_kernels.indexer_score import reference
+from sa_kernels.indexer_score import reference, triton_kernels
 
 
 def _inputs(
@@ -33,6 +34,30 @@ def test_triton_matches_reference_and_fills_a_nan_poisoned_out(case, dtype):
     result = indexer_score_tile(query, weights, summary, start, stop, out=out, backend="triton")
     assert result is out and not out.isnan().any()
     expected = reference.indexer_score_tile(query, weights, summary, start, stop)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def _config_id(cfg: dict) -> str:
+    return "m{BLOCK_M}-r{BLOCK_R}-d{BLOCK_D}-w{num_warps}-s{num_stages}".format(**cfg)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_D": 16, "num_warps": 1, "num_stages": 1},
+        {"BLOCK_M": 64, "BLOCK_R": 32, "BLOCK_D": 64, "num_warps": 4, "num_stages": 2},
+    ],
+    ids=_config_id,
+)
+def test_launch_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
+    query, weights, summary = _inputs(1, 30, 2, 4, 40, 37)
+    out = torch.full((1, 2, 27, 37), float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 2, 29, out, _config=cfg)
+    again = triton_kernels.indexer_score_tile(
+        query, weights, summary, 2, 29, torch.empty_like(out), _config=cfg
+    )
+    assert torch.equal(out, again)
+    expected = reference.indexer_score_tile(query, weights, summary, 2, 29)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -106,3 +131,21 @@ def test_cuda_matches_reference_on_a_128_query_tile_against_4096_regions():
     got = indexer_score_tile(query, weights, summary, 100, 228)
     expected = reference.indexer_score_tile(query, weights, summary, 100, 228)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", triton_kernels.SWEEP_CONFIGS, ids=_config_id)
+def test_cuda_sweep_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
+    # 128 queries and 1008 regions specialise like the benchmark's shape, so the sweep reuses these compilations.
+    query, weights, summary = _inputs(1, 200, 4, 4, 256, 1008, device="cuda", seed=3)
+    out = torch.full((1, 4, 128, 1008), float("nan"), device="cuda")
+    try:
+        triton_kernels.indexer_score_tile(query, weights, summary, 16, 144, out, _config=cfg)
+    except OutOfResources as err:
+        pytest.skip(f"config needs more shared memory than this GPU has: {err}")
+    again = triton_kernels.indexer_score_tile(
+        query, weights, summary, 16, 144, torch.empty_like(out), _config=cfg
+    )
+    assert torch.equal(out, again)
+    expected = reference.indexer_score_tile(query, weights, summary, 16, 144)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sa_kernels import pack_region_bitmap
-from sa_kernels.region_bitmap import reference
+from sa_kernels.region_bitmap import reference, triton_kernels
 
 
 def _sorted_ids(shape, regions, pad_fraction=0.2, device="cpu", seed=0):
@@ -48,6 +48,27 @@ def test_triton_matches_reference_and_decodes_to_the_id_sets(shape, regions):
         assert set(torch.nonzero(row_members).flatten().tolist()) == expected
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param({"ROWS": 1, "num_warps": 1, "BLOCK_S": None}, id="rows1-warps1-whole-row"),
+        pytest.param({"ROWS": 4, "num_warps": 2, "BLOCK_S": None}, id="rows4-warps2-row-tail"),
+        pytest.param({"ROWS": 8, "num_warps": 8, "BLOCK_S": None}, id="rows8-more-rows-than-input"),
+        pytest.param({"ROWS": 2, "num_warps": 2, "BLOCK_S": 16}, id="rows2-steps-of-16-slots"),
+        pytest.param({"ROWS": 1, "num_warps": 1, "BLOCK_S": 4}, id="rows1-steps-of-4-slots"),
+    ],
+)
+def test_every_sweep_config_writes_the_reference_bits_over_a_poisoned_out(config):
+    # 6 rows (a partial block of rows for ROWS 4 and 8); 45 slots over 10 words, so words span steps;
+    # negative ids lead one row, padding (the sentinel and beyond) ends others.
+    ids = _sorted_ids((1, 3, 2, 45), 300, seed=3)
+    ids[0, 0, 0, :3] = torch.tensor([-5, -1, -1], dtype=torch.int32)
+    ids[0, 2, 1] = torch.arange(64, 64 + 45, dtype=torch.int32)  # word 2 spans 32 slots
+    out = torch.full((1, 3, 2, 10), -1, dtype=torch.int32)
+    triton_kernels.pack_region_bitmap(ids, 300, out, _config=config)
+    torch.testing.assert_close(out, reference.pack_region_bitmap(ids, 300), rtol=0, atol=0)
+
+
 def test_rows_of_padding_give_zero_words_and_region_31_sets_the_sign_bit():
     ids = torch.tensor([[40, 40, 40], [31, 31, 40], [-1, 0, 40]], dtype=torch.int32)
     out = torch.full((3, 2), 7, dtype=torch.int32)
@@ -68,12 +89,16 @@ def test_errors_name_the_argument_and_the_values():
 
 
 @pytest.mark.gpu
-def test_cuda_matches_reference_at_4096_queries_513_slots():
-    ids = _sorted_ids((1, 4, 4096, 513), 16384, device="cuda")
-    out = torch.full((1, 4, 4096, 512), -1, dtype=torch.int32, device="cuda")
-    torch.testing.assert_close(
-        pack_region_bitmap(ids, 16384, out=out),
-        reference.pack_region_bitmap(ids, 16384),
-        rtol=0,
-        atol=0,
-    )
+@pytest.mark.parametrize(
+    "config",
+    [None, *triton_kernels.SWEEP_CONFIGS],
+    ids=lambda c: (
+        "default" if c is None else "rows{ROWS}-warps{num_warps}-slots{BLOCK_S}".format(**c)
+    ),
+)
+def test_cuda_matches_reference_at_4092_queries_513_slots(config):
+    # Row count, slots and regions specialise like the benchmark's shape, so the sweep reuses these compilations.
+    ids = _sorted_ids((1, 4, 4092, 513), 16384, device="cuda")
+    out = torch.full((1, 4, 4092, 512), -1, dtype=torch.int32, device="cuda")
+    triton_kernels.pack_region_bitmap(ids, 16384, out, _config=config)
+    torch.testing.assert_close(out, reference.pack_region_bitmap(ids, 16384), rtol=0, atol=0)
