@@ -1,13 +1,27 @@
-"""sparse_gqa_attention fwd+bwd on the GPU: gather and Flex backends vs dense causal SDPA, same run.
+"""sparse_gqa_attention fwd and fwd+bwd on the GPU: every backend against dense causal SDPA and a
+block-aligned FlexAttention mask with the same key count, all in one run.
 
 Two geometries (Hq 64 / Hkv 4 / D 128 with 4096 selected keys, routes per KV group; Hq 24 / Hkv 2 /
-D 256 with 2051, one route shared by the groups) and two route structures: clustered (128-token key
-tiles shared by each 128-query tile) and scattered (random 8- or 4-token blocks, QSA-like). TFLOP/s
-count the selected (query head, key) pairs: 4·D flops each forward, 14·D forward+backward; dense
-causal SDPA counts S(S+1)/2 pairs per head. `vs_dense` = dense ms / ms (> 1: faster than dense).
+D 256 with 2048 + tail, one route shared by the groups) and two route structures: clustered
+(128-token key tiles shared by each 128-query tile, the own tile causally cut) and scattered (random
+8- or 4-token blocks plus the tail, QSA-like). Rows per geometry and length:
 
-    python packages/sa-kernels/benchmarks/bench_sparse_gqa.py [--quick] [--lengths 32768 131072]
-        [--backends gather flex] [--flex-scattered] [--json PATH]
+    dense-causal-sdpa   F.scaled_dot_product_attention(is_causal=True), K/V expanded to Hq
+    block-flex          compiled flex_attention over the clustered routes' 128×128 tiles with a
+                        causal mask_mod (the issue's baseline: block-aligned, same key count, no
+                        per-token bitmap)
+    <kind>-flex         our route BlockMask (bitmap mask_mod) through sparse_gqa_attention
+    <kind>-gather       the Triton gather kernels
+    <kind>-auto         backend="auto" (the chosen backend is printed)
+
+TFLOP/s count the selected (query head, key) pairs: 4·D flops each forward, 14·D forward+backward
+(dense causal SDPA: S(S+1)/2 pairs per head). `vs_dense` = dense ms / ms (> 1: faster than dense);
+`vs_block` = TFLOP/s / block-flex TFLOP/s (the issue's ≥ 0.8 target for clustered routes).
+`--sweep` times Flex on the clustered per-group D 128 routes under candidate `kernel_options`
+(passed through sparse_gqa_attention's private `_flex_options`) and prints the fastest.
+
+    python packages/sa-kernels/benchmarks/bench_sparse_gqa.py [--quick] [--long] [--sweep]
+        [--flex-scattered] [--json PATH]
 """
 
 import argparse
@@ -20,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from sa_kernels.sparse_gqa import build_route_block_mask, sparse_gqa_attention
+from sa_kernels.sparse_gqa import (
+    auto_backend,
+    build_route_block_mask,
+    flex_kernel_options,
+    sparse_gqa_attention,
+)
+from sa_kernels.sparse_gqa.block_mask import TILE
 from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
 
 GEOMETRIES = [
@@ -28,158 +48,263 @@ GEOMETRIES = [
     ("H64/4-D128", 64, 4, 128, True, 8, 4096),
     ("H24/2-D256", 24, 2, 256, False, 4, 2048),
 ]
+SWEEP_OPTIONS = [
+    None,  # flex_kernel_options' default
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
+     "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+     "BLOCK_N2": 32, "num_stages": 3, "num_warps": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128,
+     "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8},
+]  # fmt: skip
 
 
-def _bench_fwd_bwd(fn, inputs, grad):
+def _bench(fn, inputs, grad):
+    """(fwd ms, fwd+bwd ms), medians of short do_bench runs."""
+
     def fwd_bwd():
         fn(*inputs).backward(grad)
 
-    fwd = do_bench(lambda: fn(*inputs), warmup=10, rep=50)
-    both = do_bench(fwd_bwd, warmup=10, rep=100, grad_to_none=list(inputs))
+    fwd = do_bench(lambda: fn(*inputs), warmup=5, rep=20)
+    both = do_bench(fwd_bwd, warmup=5, rep=40, grad_to_none=list(inputs))
     return fwd, both
 
 
-def _row(rows, name, shape, fwd_ms, ms, pairs, head_dim, dense_ms, extra=None):
-    row = {
-        "name": name,
-        "shape": shape,
-        "fwd_ms": round(fwd_ms, 3),
-        "ms": round(ms, 3),
-        "fwd_tflops": round(4 * pairs * head_dim / fwd_ms / 1e9, 1),
-        "tflops": round(14 * pairs * head_dim / ms / 1e9, 1),
-        "vs_dense": round(dense_ms / ms, 3) if dense_ms else 1.0,
-    }
-    row.update(extra or {})
-    rows.append(row)
-    print(
-        f"{row['name']:<28} {row['shape']:<26} fwd {row['fwd_ms']:>9.3f} ms {row['fwd_tflops']:>6.1f} TF/s"
-        f" | fwd+bwd {row['ms']:>9.3f} ms {row['tflops']:>6.1f} TF/s | x{row['vs_dense']:.2f} vs dense"
-        + (f" | {extra}" if extra else ""),
-        flush=True,
+class Table:
+    """Rows printed as they come and rewritten to the JSON path after each (a timeout keeps them)."""
+
+    def __init__(self, json_path=None):
+        self.json_path = json_path
+        self.rows = []
+        self.dense = None  # (fwd ms, fwd+bwd ms)
+        self.block = None  # (fwd TFLOP/s, fwd+bwd TFLOP/s)
+
+    def add(self, name, shape, fwd_ms, ms, pairs, head_dim, extra=None):
+        fwd_tf = 4 * pairs * head_dim / fwd_ms / 1e9
+        tf = 14 * pairs * head_dim / ms / 1e9
+        row = {
+            "name": name,
+            "shape": shape,
+            "fwd_ms": round(fwd_ms, 3),
+            "ms": round(ms, 3),
+            "fwd_tflops": round(fwd_tf, 1),
+            "tflops": round(tf, 1),
+        }
+        if self.dense:
+            row["fwd_vs_dense"] = round(self.dense[0] / fwd_ms, 3)
+            row["vs_dense"] = round(self.dense[1] / ms, 3)
+        if self.block:
+            row["fwd_vs_block"] = round(fwd_tf / self.block[0], 3)
+            row["vs_block"] = round(tf / self.block[1], 3)
+        row.update(extra or {})
+        self.rows.append(row)
+        if self.json_path:
+            with open(self.json_path, "w") as fh:
+                json.dump(self.rows, fh, indent=1)
+        ratios = "".join(
+            f" | {key} {row[key]:.2f}"
+            for key in ("fwd_vs_dense", "vs_dense", "fwd_vs_block", "vs_block")
+            if key in row
+        )
+        print(
+            f"{name:<20} {shape:<18} fwd {fwd_ms:>8.3f} ms {fwd_tf:>6.1f} TF/s"
+            f" | fwd+bwd {ms:>8.3f} ms {tf:>6.1f} TF/s{ratios}" + (f" | {extra}" if extra else ""),
+            flush=True,
+        )
+        return row
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _block_aligned_mask(route_mask):
+    """The route mask's tiles (full off the diagonal, the diagonal partial) with a mask_mod that is
+    causal inside the tiles the block lists name (one tile-table lookup: exact also where Flex
+    evaluates the mask_mod outside the block lists, as eager flex_attention on CPU does)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    flex = route_mask.flex
+    tiles = flex.to_dense().bool()  # [batch, heads, query_tiles, kv_tiles]
+    heads = tiles.shape[1]
+
+    def causal_in_tiles(b, h, q_idx, kv_idx):
+        head = h if heads > 1 else h * 0
+        return tiles[b, head, q_idx // TILE, kv_idx // TILE] & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(
+        flex.kv_num_blocks,
+        flex.kv_indices,
+        flex.full_kv_num_blocks,
+        flex.full_kv_indices,
+        BLOCK_SIZE=TILE,
+        mask_mod=causal_in_tiles,
+        seq_lengths=flex.seq_lengths,
     )
 
 
-def _bench_routes(rows, kind, shape, ids, inputs, grad, dense_ms, backends, flex_scattered):
-    q, k, _ = inputs
-    length, hq, dim = k.shape[1], q.shape[2], q.shape[3]
-    route_heads = 1 if ids.dim() == 3 else ids.shape[1]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    mask = build_route_block_mask(ids, length, hq)
-    torch.cuda.synchronize()
-    build_ms = (time.perf_counter() - start) * 1e3
-    routes_ms = do_bench(
-        lambda: build_route_block_mask(ids, length, hq, build_flex=False), warmup=2, rep=20
+def _block_flex(q, k, v, *, mask, options):
+    extra = {} if options is None else {"kernel_options": options}
+    out = _compiled_flex()(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=mask,
+        enable_gqa=True,
+        **extra,
     )
-    selected = int(mask.counts.sum())
-    pairs = selected * (hq // route_heads)
-    info = {
-        "occupancy": round(mask.occupancy, 3),
-        "mean_keys": round(selected / (route_heads * length), 1),
-        "mask_build_ms": round(build_ms, 1),
-        "routes_only_ms": round(routes_ms, 2),
-    }
-    backends = [b for b in backends if b == "gather" or kind == "clustered" or flex_scattered]
-    for backend in backends:
-        fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
-        try:
-            fwd, ms = _bench_fwd_bwd(fn, inputs, grad)
-        except Exception as err:  # keep measuring the other rows; the failure is reported
-            print(f"{kind}-{backend} {shape}: FAILED {type(err).__name__}: {err}", flush=True)
+    return out.transpose(1, 2)
+
+
+def _attend(q, k, v, *, ids, backend, block_mask, options=None):
+    return sparse_gqa_attention(
+        q, k, v, ids, backend=backend, block_mask=block_mask, _flex_options=options
+    )
+
+
+def _try(label, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # keep measuring the other rows; the failure is reported
+        print(f"{label}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
+        return None
+
+
+def _routes(kind, route_heads, length, block, keys, gen):
+    if kind == "clustered":
+        return clustered_routes(
+            1,
+            route_heads,
+            length,
+            length,
+            tiles_per_query=keys // TILE,
+            generator=gen,
+            device="cuda",
+        )
+    return scattered_routes(
+        1,
+        route_heads,
+        length,
+        length,
+        block=block,
+        blocks_per_query=keys // block,
+        generator=gen,
+        device="cuda",
+    )
+
+
+def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
+    name, hq, hkv, dim, per_group, block, keys = geometry
+    shape = f"S{length}-{name}"
+    make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q, k, v = make(1, length, hq, dim), make(1, length, hkv, dim), make(1, length, hkv, dim)
+    grad = make(1, length, hq, dim)
+    table.dense = table.block = None
+    # Dense causal SDPA baseline: K/V expanded to the query heads (flash/cuDNN kernels).
+    qd = q.transpose(1, 2).contiguous().requires_grad_()
+    kd = k.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    vd = v.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
+    fwd, ms = _bench(sdpa, (qd, kd, vd), grad.transpose(1, 2).contiguous())
+    table.add("dense-causal-sdpa", shape, fwd, ms, hq * length * (length + 1) // 2, dim)
+    table.dense = (fwd, ms)
+    del qd, kd, vd
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    route_heads = hkv if per_group else 1
+    for kind in ("clustered", "scattered"):
+        ids = _routes(kind, route_heads, length, block, keys, gen)
+        ids = ids if per_group else ids[:, 0]
+        with_flex = kind == "clustered" or flex_scattered
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        mask = build_route_block_mask(ids, length, hq, build_flex=True if with_flex else None)
+        torch.cuda.synchronize()
+        info = {
+            "occupancy": round(mask.occupancy, 3),
+            "mean_keys": round(int(mask.counts.sum()) / (route_heads * length), 1),
+            "mask_build_ms": round((time.perf_counter() - start) * 1e3, 1),
+        }
+        pairs = int(mask.counts.sum()) * (hq // route_heads)
+        if kind == "clustered":
+            _block_baseline(table, shape, (q, k, v), grad, mask, pairs, dim)
+        backends = (["flex"] if with_flex else []) + ["gather", "auto"]
+        for backend in backends:
+            fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
+            result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)
+            if result is not None:
+                extra = dict(info or {})
+                if backend == "auto":
+                    extra["chose"] = auto_backend(mask, "cuda")
+                table.add(f"{kind}-{backend}", shape, *result, pairs, dim, extra or None)
+                info = None
+        if sweep and kind == "clustered" and dim <= 128:
+            _sweep(table, shape, ids, mask, (q, k, v), grad, pairs, dim)
+        del ids, mask
+    torch.cuda.empty_cache()
+
+
+def _block_baseline(table, shape, inputs, grad, route_mask, pairs, dim):
+    """block-flex with torch's default kernel options; if those fail to compile, ours (reported)."""
+    block_mask = _block_aligned_mask(route_mask)
+    for options in (None, flex_kernel_options(dim, torch.bfloat16, "cuda")):
+        fn = functools.partial(_block_flex, mask=block_mask, options=options)
+        result = _try(f"block-flex {shape} options={options}", _bench, fn, inputs, grad)
+        if result is not None:
+            extra = {"kernel_options": "default" if options is None else "ours"}
+            row = table.add("block-flex", shape, *result, pairs, dim, extra)
+            table.block = (row["fwd_tflops"], row["tflops"])
+            return
+        if options is not None or dim > 128:
+            return
+
+
+def _sweep(table, shape, ids, mask, inputs, grad, pairs, dim):
+    best = None
+    for i, options in enumerate(SWEEP_OPTIONS):
+        fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask, options=options)
+        result = _try(f"sweep {i} {options}", _bench, fn, inputs, grad)
+        if result is None:
             continue
-        _row(rows, f"{kind}-{backend}", shape, fwd, ms, pairs, dim, dense_ms, info)
-        info = None
-
-
-def _attend(q, k, v, *, ids, backend, block_mask):
-    return sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=block_mask)
-
-
-def run(lengths, backends, flex_scattered, rows):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for length in lengths:
-        for name, hq, hkv, dim, per_group, block, keys in GEOMETRIES:
-            shape = f"S{length}-{name}"
-            make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
-            q, k, v = make(1, length, hq, dim), make(1, length, hkv, dim), make(1, length, hkv, dim)
-            grad = make(1, length, hq, dim)
-            # Dense causal SDPA baseline: K/V expanded to the query heads (flash/cuDNN kernels).
-            qd = q.transpose(1, 2).contiguous().requires_grad_()
-            kd = k.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
-            vd = v.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
-            sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
-            fwd, dense_ms = _bench_fwd_bwd(sdpa, (qd, kd, vd), grad.transpose(1, 2).contiguous())
-            _row(
-                rows,
-                "dense-causal-sdpa",
-                shape,
-                fwd,
-                dense_ms,
-                hq * length * (length + 1) // 2,
-                dim,
-                None,
-            )
-            del qd, kd, vd
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            route_heads = hkv if per_group else 1
-            for kind in ("clustered", "scattered"):
-                if kind == "clustered":
-                    ids = clustered_routes(
-                        1,
-                        route_heads,
-                        length,
-                        length,
-                        tiles_per_query=keys // 128,
-                        generator=gen,
-                        device="cuda",
-                    )
-                else:
-                    ids = scattered_routes(
-                        1,
-                        route_heads,
-                        length,
-                        length,
-                        block=block,
-                        blocks_per_query=keys // block,
-                        generator=gen,
-                        device="cuda",
-                    )
-                ids = ids if per_group else ids[:, 0]
-                _bench_routes(
-                    rows, kind, shape, ids, (q, k, v), grad, dense_ms, backends, flex_scattered
-                )
-                del ids
-            del q, k, v, grad
-            torch.cuda.empty_cache()
+        row = table.add(f"sweep-flex-{i}", shape, *result, pairs, dim, {"options": options})
+        if best is None or row["ms"] < best[1]["ms"]:
+            best = (i, row)
+    if best is not None:
+        print(f"sweep best: config {best[0]} {SWEEP_OPTIONS[best[0]]} ({best[1]['ms']} ms)")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8192 keys only")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32768])
+    parser.add_argument("--long", action="store_true", help="also 131072 keys")
+    parser.add_argument("--sweep", action="store_true", help="Flex kernel_options candidates")
     parser.add_argument(
         "--flex-scattered", action="store_true", help="also time Flex on scattered routes"
     )
-    parser.add_argument(
-        "--backends", nargs="+", default=["gather", "flex"], choices=["gather", "flex"]
-    )
+    parser.add_argument("--geometries", nargs="+", default=[g[0] for g in GEOMETRIES])
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_gqa: needs a CUDA device")
     import triton
 
+    # Each geometry, mask_mod and kernel_options compiles Flex once; keep them all compiled.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     print(
         f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
         flush=True,
     )
-    rows = []
-    try:
-        run([8192] if args.quick else args.lengths, args.backends, args.flex_scattered, rows)
-    finally:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rows, fh, indent=1)
+    lengths = [8192] if args.quick else [32768] + ([131072] if args.long else [])
+    table = Table(args.json)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for length in lengths:
+        for geometry in GEOMETRIES:
+            if geometry[0] in args.geometries:
+                run_geometry(table, length, geometry, gen, args.flex_scattered, args.sweep)
 
 
 if __name__ == "__main__":

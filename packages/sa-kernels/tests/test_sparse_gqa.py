@@ -8,8 +8,14 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from sa_kernels.sparse_gqa import RouteBlockMask, build_route_block_mask, sparse_gqa_attention
-from sa_kernels.sparse_gqa.block_mask import tile_pair_counts
+from sa_kernels.sparse_gqa import (
+    RouteBlockMask,
+    auto_backend,
+    build_route_block_mask,
+    flex_kernel_options,
+    sparse_gqa_attention,
+)
+from sa_kernels.sparse_gqa.block_mask import FLEX_MIN_OCCUPANCY, TILE, tile_pair_counts
 from sa_kernels.sparse_gqa.reference import (
     dense_route_mask,
     route_membership,
@@ -359,11 +365,51 @@ def test_gather_accepts_strided_query_views():
 # ---------------------------------------------------------------- dispatch and errors
 
 
-def test_flex_refuses_per_group_routes_with_the_reason():
-    q, k, v, gen = _inputs(1, 8, 4, 2, 8, 16, torch.float32)
-    mask = build_route_block_mask(_random_ids((1, 2, 8, 3), 16, gen), 16, 4, build_flex=False)
-    with pytest.raises(RuntimeError, match="per-group routes"):
-        sparse_gqa_attention(q, k, v, mask.routes, backend="flex", block_mask=mask)
+def _clustered_and_scattered_ids(route_heads):
+    gen = torch.Generator().manual_seed(3)
+    clustered = clustered_routes(1, route_heads, 384, 384, tiles_per_query=2, generator=gen)
+    scattered = scattered_routes(
+        1, route_heads, 384, 384, block=4, blocks_per_query=8, generator=gen
+    )
+    return clustered, scattered
+
+
+@pytest.mark.parametrize("route_heads", [1, 2], ids=["route-heads1", "route-heads2"])
+def test_auto_picks_flex_for_clustered_and_gather_for_scattered_routes_on_cuda(route_heads):
+    """The dispatch decision only (host numbers of CPU-built masks, no kernel runs)."""
+    clustered, scattered = _clustered_and_scattered_ids(route_heads)
+    cuda = torch.device("cuda")
+    clustered_mask = build_route_block_mask(clustered, 384, 4, build_flex=None)
+    scattered_mask = build_route_block_mask(scattered, 384, 4, build_flex=None)
+    assert clustered_mask.occupancy >= FLEX_MIN_OCCUPANCY > scattered_mask.occupancy
+    assert auto_backend(clustered_mask, cuda) == "flex"
+    assert auto_backend(scattered_mask, cuda) == "gather"
+    # A scattered mask built with its Flex BlockMask anyway still runs gather under auto.
+    assert (
+        auto_backend(build_route_block_mask(scattered, 384, 4, build_flex=True), cuda) == "gather"
+    )
+    # A gather-only build has no tile statistics: auto runs gather and never syncs for them.
+    gather_only = build_route_block_mask(clustered, 384, 4, build_flex=False)
+    assert auto_backend(gather_only, cuda) == "gather" and gather_only.statistics is None
+    assert auto_backend(clustered_mask, "cpu") == "reference"
+
+
+def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
+    """Flex needs its BlockMask block (128) to be a multiple of the kernel tiles, and the backward
+    needs BLOCK_N1 % BLOCK_M1 == BLOCK_M2 % BLOCK_N2 == 0; wide heads, FP32 and CPU keep defaults."""
+    for head_dim in (64, 96, 128):
+        options = flex_kernel_options(head_dim, torch.bfloat16, "cuda")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
+            assert TILE % options[name] == 0, name
+        assert options["BLOCK_N1"] % options["BLOCK_M1"] == 0
+        assert options["BLOCK_M2"] % options["BLOCK_N2"] == 0
+        # Shared memory of one forward stage set stays within what compiled at head_dim 256.
+        assert (options["BLOCK_M"] + 2 * options["num_stages"] * options["BLOCK_N"]) * head_dim <= (
+            (64 + 2 * 3 * 32) * 256
+        )
+    assert flex_kernel_options(256, torch.bfloat16, "cuda") is None
+    assert flex_kernel_options(128, torch.float32, "cuda") is None
+    assert flex_kernel_options(128, torch.bfloat16, "cpu") is None
 
 
 def test_auto_on_cpu_runs_the_reference():
@@ -472,8 +518,8 @@ GPU_ROUTES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kind", "query_heads", "kv_heads", "head_dim", "per_group"), GPU_ROUTES)
 def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim, per_group):
-    """gather on every route kind; flex (one compile per geometry) on clustered shared routes (it
-    refuses per-group routes); auto runs gather."""
+    """gather on every route kind, flex (one compile per geometry, with `flex_kernel_options`) on
+    clustered routes, shared or per KV group; auto runs flex on clustered, gather on scattered."""
     kv_length = queries = 8192
     q, k, v, gen = _inputs(
         1, queries, query_heads, kv_heads, head_dim, kv_length, torch.bfloat16, "cuda"
@@ -501,10 +547,7 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = sparse_gqa_attention_reference(qf, kf, vf, ids, query_chunk=512)
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
-    backends = ["gather", "flex"] if kind == "clustered" and not per_group else ["gather"]
-    if per_group:
-        with pytest.raises(RuntimeError, match="per-group routes"):
-            sparse_gqa_attention(q, k, v, ids, backend="flex", block_mask=mask)
+    backends = ["gather", "flex"] if kind == "clustered" else ["gather"]
     results = {}
     for backend in backends:
         out = sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=mask)
@@ -516,15 +559,17 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
         results[backend] = out
     auto = sparse_gqa_attention(q, k, v, ids, block_mask=mask)
     assert (mask.occupancy > 0.9) if kind == "clustered" else (mask.occupancy < 0.5)
-    torch.testing.assert_close(auto, results["gather"], rtol=0, atol=0)
+    expected = results["flex" if kind == "clustered" else "gather"]
+    torch.testing.assert_close(auto, expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gather", "flex"])
-def test_cuda_empty_rows_give_zero_output_and_gradients(backend):
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+def test_cuda_empty_rows_give_zero_output_and_gradients(backend, per_group):
     q, k, v, gen = _inputs(1, 300, 8, 2, 64, 500, torch.bfloat16, "cuda")
     ids = _random_ids((1, 2, 300, 33), 500, gen, device="cuda", empty_rows=(0, 7, 299))
-    ids = ids[:, 0] if backend == "flex" else ids  # flex takes shared routes only
+    ids = ids if per_group else ids[:, 0]
     out = sparse_gqa_attention(q, k, v, ids, backend=backend)
     dq, dk = torch.autograd.grad(out.float().square().sum(), (q, k))
     assert out[:, [0, 7, 299]].abs().max() == 0 and dq[:, [0, 7, 299]].abs().max() == 0

@@ -2,13 +2,16 @@
 
 Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that load
 only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled FlexAttention over
-`build_route_block_mask`'s 128×128 BlockMask, CUDA only), "fa4" (FlashAttention-4 block sparsity:
-not implemented, raises), "auto" (CUDA: gather; CPU: reference).
+`build_route_block_mask`'s 128×128 BlockMask, CUDA only; shared or per-KV-group routes), "fa4"
+(FlashAttention-4 block sparsity: not implemented, raises), "auto" (see `auto_backend`).
 
-Flex is opt-in and takes shared routes only: on the H200 with torch 2.11, compiling flex_attention over
-per-KV-group route masks needed 256–368 KiB of shared memory (227 KiB available) and failed
-(measured 2026-11-29, docs/benchmarks.md), so that case raises instead of crashing in the compiler,
-and "auto" runs the gather kernels, the path verified on every route structure.
+Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
+head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) needed 256–368 KiB of shared
+memory with the route `mask_mod` (227 KiB available; measured 2026-11-29, docs/benchmarks.md), while
+head_dim 256 compiled with its 64×64, 2-stage defaults. `flex_kernel_options` therefore pins 64×64
+tiles, 2 stages and 4 warps for head_dim <= 128 (16-bit inputs on CUDA): the same tile shapes that
+compiled at head_dim 256, with half the bytes per row. 64 divides the 128-wide route tiles, as Flex
+requires (its BlockMask block size must be a multiple of the kernel's).
 """
 
 import functools
@@ -17,11 +20,17 @@ import torch
 
 from sa_kernels.backend import triton_interpret
 
-from .block_mask import RouteBlockMask, build_route_block_mask
+from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
 from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
 
-__all__ = ["RouteBlockMask", "build_route_block_mask", "sparse_gqa_attention"]
+__all__ = [
+    "RouteBlockMask",
+    "auto_backend",
+    "build_route_block_mask",
+    "flex_kernel_options",
+    "sparse_gqa_attention",
+]
 
 BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -52,8 +61,43 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(attention, query, key, value, block_mask: RouteBlockMask, scale: float) -> torch.Tensor:
+# Flex tiles for head_dim <= 128 on CUDA (see the module docstring): forward BLOCK_M × BLOCK_N,
+# backward BLOCK_M1 × BLOCK_N1 (dK/dV) and BLOCK_M2 × BLOCK_N2 (dQ); unprefixed keys, which every
+# torch release with FlexAttention reads (forward and backward each take the names they know).
+_SMALL_HEAD_FLEX_OPTIONS = {
+    "BLOCK_M": 64,
+    "BLOCK_N": 64,
+    "BLOCK_M1": 64,
+    "BLOCK_N1": 64,
+    "BLOCK_M2": 64,
+    "BLOCK_N2": 64,
+    "num_stages": 2,
+    "num_warps": 4,
+}
+
+
+def flex_kernel_options(head_dim: int, dtype: torch.dtype, device_type: str) -> dict | None:
+    """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
+
+    16-bit inputs on CUDA with head_dim <= 128 get 64×64 tiles, 2 stages and 4 warps (fits sm_90's
+    227 KiB of shared memory); head_dim > 128, FP32 and CPU keep torch's defaults.
+    """
+    if device_type != "cuda" or dtype == torch.float32 or head_dim > 128:
+        return None
+    return dict(_SMALL_HEAD_FLEX_OPTIONS)
+
+
+def _flex(
+    attention,
+    query,
+    key,
+    value,
+    block_mask: RouteBlockMask,
+    scale: float,
+    kernel_options: dict | None = None,
+) -> torch.Tensor:
     """Flex attention over the route BlockMask in our [batch, tokens, heads, dim] layout."""
+    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -61,8 +105,27 @@ def _flex(attention, query, key, value, block_mask: RouteBlockMask, scale: float
         block_mask=block_mask.flex,
         scale=scale,
         enable_gqa=True,
+        **extra,
     )
     return out.transpose(1, 2).contiguous()
+
+
+def auto_backend(block_mask: RouteBlockMask, device: torch.device | str) -> str:
+    """The backend `backend="auto"` runs for these routes: "reference", "flex" or "gather".
+
+    CPU: "reference". CUDA: "flex" when the mask was built with its tile statistics
+    (`build_flex=None` or True), its Flex BlockMask exists and the occupancy (selected pairs / area of
+    the 128×128 tiles they touch) is at least FLEX_MIN_OCCUPANCY (0.5): the routes cluster into
+    tiles and Flex's dense tile math wastes at most half of its work. Otherwise "gather" (scattered
+    routes, or a mask built with `build_flex=False`, whose statistics were never computed). Decided
+    from host numbers the build already holds: no device sync per call.
+    """
+    if torch.device(device).type != "cuda":
+        return "reference"
+    stats = block_mask.statistics
+    if block_mask.flex is not None and stats is not None and stats.occupancy >= FLEX_MIN_OCCUPANCY:
+        return "flex"
+    return "gather"
 
 
 def _validate(fn, query, key, value, token_ids, backend):
@@ -151,6 +214,7 @@ def sparse_gqa_attention(
     *,
     backend: str = "auto",
     block_mask: RouteBlockMask | None = None,
+    _flex_options: dict | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query row over the keys its route selects (GQA, K/V not expanded).
 
@@ -163,9 +227,16 @@ def sparse_gqa_attention(
             [0, kv_length) (−1 by convention) are padding; repeats count once (set semantics). No
             causal mask is added: the routes say what each query sees.
         softmax_scale: multiplies the scores; default head_dim ** -0.5.
-        backend: "auto" | "gather" | "flex" | "fa4" | "reference" (see the module docstring).
+        backend: "auto" | "gather" | "flex" | "fa4" | "reference". "auto" runs the reference on
+            CPU; on CUDA it runs Flex when the routes cluster into 128×128 tiles (occupancy >=
+            FLEX_MIN_OCCUPANCY, known from the mask build) and the gather kernels when they scatter
+            (`auto_backend` gives the choice).
         block_mask: a `build_route_block_mask(token_ids, kv_length, query_heads)` result for these
-            routes, to reuse across layers and recompute; built here when None (gather, flex, auto).
+            routes, to reuse across layers and recompute; built here when None (gather, flex, auto;
+            auto builds with `build_flex=None`: one host sync for the tile statistics). A mask built
+            with `build_flex=False` makes "auto" run gather.
+        _flex_options: private; Flex `kernel_options` overriding `flex_kernel_options` (benchmark
+            sweeps).
     Returns:
         [batch, queries, query_heads, head_dim] in query.dtype; FP32 softmax; a row with no valid id
         gives 0 and zero gradients.
@@ -193,12 +264,6 @@ def sparse_gqa_attention(
         raise TypeError(
             f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
         )
-    if backend == "flex" and token_ids.dim() == 4 and token_ids.shape[1] > 1:
-        raise RuntimeError(
-            f"{fn}: backend='flex' takes routes shared by all KV groups ([batch, queries, W]); "
-            f"per-group routes ({token_ids.shape[1]} route heads) overflow the GPU's shared memory "
-            "in flex_attention's compiled kernel; use backend='gather'"
-        )
     if backend == "flex" and not on_cuda:
         raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
     if backend == "gather" and not on_cuda and not triton_interpret():
@@ -211,13 +276,16 @@ def sparse_gqa_attention(
             token_ids,
             key.shape[1],
             query.shape[2],
-            build_flex=backend == "flex",
+            build_flex={"flex": True, "gather": False}.get(backend),
         )
     if backend == "auto":
-        backend = "gather"
+        backend = auto_backend(block_mask, query.device)
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
-        return _flex(_compiled_flex(), query, key, value, block_mask, scale)
+        options = _flex_options
+        if options is None:
+            options = flex_kernel_options(query.shape[-1], query.dtype, query.device.type)
+        return _flex(_compiled_flex(), query, key, value, block_mask, scale, options)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _GatherAttention.apply(query, key, value, block_mask.routes, block_mask.counts, scale)

@@ -15,8 +15,10 @@ import torch
 from .routes import canonical_routes
 
 TILE = 128
-# build_flex=None builds the Flex mask when at least this fraction of the touched tiles' area is selected:
-# the gather kernel's cost follows the selected pairs, Flex's the touched tiles (a heuristic, not measured).
+# build_flex=None builds the Flex mask, and backend="auto" runs Flex on CUDA, when at least this fraction
+# of the touched tiles' area is selected: the gather kernel's cost follows the selected pairs, Flex's the
+# touched tiles, so Flex wastes at most half its tile math here (a heuristic; bench_sparse_gqa.py
+# measures both backends on clustered (occupancy > 0.9) and scattered (< 0.3) routes).
 FLEX_MIN_OCCUPANCY = 0.5
 # Route entries binned per step of the tile count (bounds the int64 temporaries).
 _BIN_CHUNK = 1 << 25
