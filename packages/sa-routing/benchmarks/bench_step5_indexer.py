@@ -4,24 +4,28 @@ Indexer forward = project_keys + summaries + per-tile query projection + scoring
 reference geometry (hidden 4096, proxy_dim 256, 16 heads in 4 groups, region 8, topk 512) on one
 document of S tokens (the worst case for scoring); metadata is built once outside the timed region, as a
 model does. The baseline is the scoring FLOPs alone at 300 TFLOP/s: `2 · G·H · D · Σ_q (p_q // 8)`
-over sparse queries; target ratio ≤ 1.3. "project+score" times the query projection and `indexer_score_tile`
-calls of the same tile walk, without summaries and top-k. Peak extra memory = peak allocated during the forward minus what was
+over sparse queries; target ratio ≤ 1.3. Per-stage breakdown (CUDA events recorded at the stage marks of
+the real forward, summed over tiles): project_keys, summaries, project_queries, score (scoring kernel and
+causal masking; its TFLOP/s counts the scored rectangles), topk (`stable_topk`), merge (current region,
+sort, write). `--profile` prints the top kernels of `torch.profiler` for one 128k forward and the number of
+kernel launches. Peak extra memory = peak allocated during the forward minus what was
 allocated before it, minus the output. region_metadata: 128k tokens, 8 documents, ms and host syncs
 (counted with torch.cuda.set_sync_debug_mode), target ≤ 5 ms and ≤ 1 sync.
 
-    python packages/sa-routing/benchmarks/bench_step5_indexer.py [--quick] [--json PATH]
+    python packages/sa-routing/benchmarks/bench_step5_indexer.py [--quick] [--profile] [--json PATH]
 """
 
 import argparse
+import itertools
 import json
+import statistics
 import time
 import warnings
+from collections import defaultdict
 
 import torch
 
-from sa_kernels import indexer_score_tile
 from sa_routing import Step5SparseConfig, Step5SparseIndexer, region_metadata
-from sa_routing.step5.indexer import region_summaries
 from sa_routing.step5.selection import _merge_tiles
 
 PEAK_TFLOPS = 300.0
@@ -79,7 +83,70 @@ def bench_metadata(rows: list[dict], total: int) -> None:
     )
 
 
-def bench_indexer(rows: list[dict], total: int, options: list[dict]) -> None:
+class _Clock:
+    """A CUDA event on the GPU, a host timestamp on the CPU smoke run."""
+
+    def __init__(self) -> None:
+        if DEVICE == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_until(self, later: "_Clock") -> float:
+        if DEVICE == "cuda":
+            return self.event.elapsed_time(later.event)
+        return (later.t - self.t) * 1e3
+
+
+STAGES = ("project_keys", "summaries", "project_queries", "score", "topk", "merge")
+
+
+def stage_breakdown(forward_marked, runs: int = 3) -> dict[str, float]:
+    """Median over `runs` of each stage's ms in one forward (time between consecutive marks)."""
+    per_run: list[dict[str, float]] = []
+    for _ in range(runs):
+        clocks: list[tuple[str, _Clock]] = [("start", _Clock())]
+
+        def mark(name: str, clocks: list = clocks) -> None:
+            clocks.append((name, _Clock()))
+
+        forward_marked(mark)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        totals: dict[str, float] = defaultdict(float)
+        for (_, before), (name, after) in itertools.pairwise(clocks):
+            totals[name] += before.ms_until(after)
+        per_run.append(totals)
+    return {k: statistics.median(r.get(k, 0.0) for r in per_run) for k in STAGES}
+
+
+def print_profile(forward) -> None:
+    """Top kernels of one forward by GPU time, and the number of kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    rows = []
+    launches = 0
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0.0)
+        if dev > 0 and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
+            rows.append((dev, e.count, e.key))
+            launches += e.count
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"profile: {launches} kernel launches, {total / 1e3:.2f} ms of kernel time", flush=True)
+    for dev, count, key in rows[:15]:
+        print(
+            f"  {dev / 1e3:>9.3f} ms {100 * dev / total:5.1f}%  x{count:<6} {key[:110]}", flush=True
+        )
+
+
+def bench_indexer(rows: list[dict], total: int, options: list[dict], profile: bool = False) -> None:
     cfg = Step5SparseConfig()
     torch.manual_seed(0)
     indexer = Step5SparseIndexer(cfg, 3, torch.bfloat16, device=DEVICE)
@@ -91,25 +158,31 @@ def bench_indexer(rows: list[dict], total: int, options: list[dict]) -> None:
     pad = torch.zeros_like(pos, dtype=torch.bool)
     meta = region_metadata(pos, pad, 0, total, cfg.region_size, cfg.topk)
     hist = (pos[0] // cfg.region_size)[meta.sparse_queries[0]]
-    flops = 2 * cfg.index_heads * cfg.proxy_dim * float(hist.sum())
+    per_pair = 2 * cfg.index_heads * cfg.proxy_dim
+    flops = per_pair * float(hist.sum())
     ideal_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
     shape = f"S={total} G4 H4 D256 topk512"
 
-    keys, logits = indexer.project_keys(hidden, pos)
-    summary = region_summaries(keys, logits, meta)
-
-    def scores_only(budget: int, chunk: int) -> None:
-        for b, q0, q1, r0, r1 in _merge_tiles(meta.score_tiles, 4, chunk, budget):
-            q, w = indexer.project_queries(hidden[:, q0:q1], pos[:, q0:q1])
-            for c0 in range(r0, r1, chunk):
-                indexer_score_tile(q, w, summary[b : b + 1, c0 : min(c0 + chunk, r1)], 0, q1 - q0)
-
     for opt in options:
         indexer.selection_options = dict(opt)
+        groups = cfg.num_provider_groups
+        merged = _merge_tiles(
+            meta.score_tiles, groups, opt["region_chunk"], opt["score_budget_bytes"]
+        )
+        rect_flops = per_pair * float(sum((q1 - q0) * (r1 - r0) for _, q0, q1, r0, r1 in merged))
 
         def forward() -> torch.Tensor:
             k, z = indexer.project_keys(hidden, pos)
             return indexer(hidden, pos, k, z, pos, pad, metadata=meta).region_ids
+
+        def forward_marked(mark, o=opt) -> None:
+            k, z = indexer.project_keys(hidden, pos)
+            mark("project_keys")
+            indexer.selection_options = {**o, "_mark": mark}
+            try:
+                indexer(hidden, pos, k, z, pos, pad, metadata=meta)
+            finally:
+                indexer.selection_options = dict(o)
 
         out = forward()
         extra, syncs = -1, count_syncs(forward)
@@ -122,37 +195,141 @@ def bench_indexer(rows: list[dict], total: int, options: list[dict]) -> None:
             extra = torch.cuda.max_memory_allocated() - before - out.numel() * out.element_size()
         del out
         ms = do_bench(forward, warmup=5, rep=40)
-        score_ms = do_bench(
-            lambda o=opt: scores_only(o["score_budget_bytes"], o["region_chunk"]), warmup=5, rep=40
-        )
-        label = (
-            f"{opt['method']} chunk={opt['region_chunk']} budget={opt['score_budget_bytes'] >> 20}M"
-        )
+        stages = stage_breakdown(forward_marked)
+        label = " ".join(f"{k}={v}" for k, v in opt.items() if k != "method")
+        label = f"{opt['method']} {label}".replace("score_budget_bytes", "budget")
         row = {
             "name": "indexer forward",
             "options": label,
             "shape": shape,
             "ms": round(ms, 3),
             "tflops": round(flops / ms / 1e9, 1),
-            "scores_only_ms": round(score_ms, 3),
             "ideal_ms_at_300": round(ideal_ms, 3),
             "ratio_vs_ideal": round(ms / ideal_ms, 3),
             "peak_extra_gib": round(extra / 2**30, 3),
             "host_syncs": syncs,
+            "merged_tiles": len(merged),
+            "scored_rectangle_vs_causal": round(rect_flops / flops, 4),
+            "stage_ms": {k: round(v, 3) for k, v in stages.items()},
+            "score_stage_tflops": round(rect_flops / max(stages["score"], 1e-9) / 1e9, 1),
         }
         rows.append(row)
         print(
-            f"{'indexer forward':<16} {label:<34} {shape:<28} {ms:>9.3f} ms {row['tflops']:>6.1f} TFLOP/s"
-            f"  {row['ratio_vs_ideal']:>5.2f}x ideal ({ideal_ms:.2f} ms)  project+score {score_ms:.3f} ms"
+            f"{'indexer forward':<16} {label:<60} {shape:<28} {ms:>9.3f} ms {row['tflops']:>6.1f} TFLOP/s"
+            f"  {row['ratio_vs_ideal']:>5.2f}x ideal ({ideal_ms:.2f} ms)"
             f"  peak extra {row['peak_extra_gib']:.2f} GiB  host syncs {syncs}",
             flush=True,
         )
+        print(
+            "    stages ms: "
+            + "  ".join(f"{k} {v:.2f}" for k, v in stages.items())
+            + f"  (sum {sum(stages.values()):.2f})  | {len(merged)} merged tiles, scored rectangles"
+            f" {rect_flops / flops:.3f}x causal FLOPs, score stage {row['score_stage_tflops']} TFLOP/s",
+            flush=True,
+        )
+    if profile and DEVICE == "cuda":
+        indexer.selection_options = dict(options[0])
+        print_profile(forward)
+
+
+SWEEP_CONFIGS = [
+    # BLOCK_M (query-head rows), BLOCK_R, BLOCK_D, num_warps, num_stages
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (128, 128, 128, 8, 2),
+    (256, 128, 128, 8, 2),
+    (128, 128, 256, 8, 1),
+    (256, 256, 64, 8, 3),
+]
+
+
+def sweep_score_kernel(rows: list[dict]) -> None:
+    """`indexer_score_tile`'s kernel under explicit configs on two tile shapes of the 128k walk, next to
+    the config the autotuner picked (it tunes once per (D, HP), on the first call's shape)."""
+    import triton
+    from triton.testing import do_bench as triton_bench
+
+    from sa_kernels.indexer_score import triton_kernels as tk
+
+    g, h, d = 4, 4, 256
+    print(
+        f"score kernel sweep (autotuner's pick: {getattr(tk._tuned_kernel, 'best_config', None)})"
+    )
+    # the walk's first merged tile at 128k (the autotuner tunes on it) and its last, widest one
+    for n_q, regions in [(8440, 1567), (768, 16383)]:
+        query = torch.randn(1, n_q, g, h, d, device=DEVICE).to(torch.float8_e4m3fn).bfloat16()
+        weights = torch.randn(1, n_q, g, h, device=DEVICE)
+        summary = torch.randn(1, regions, d, device=DEVICE).to(torch.float8_e4m3fn).bfloat16()
+        out = torch.empty(1, g, n_q, regions, device=DEVICE)
+        flops = 2.0 * n_q * g * h * d * regions
+        args = (query, weights, summary, out, 0, n_q, regions, d, h, g, *query.stride()[:4])
+        args = (*args, *weights.stride(), summary.stride(0), summary.stride(1))
+        meta = {"HP": h, "DOT_FP32": False, "PRECISION": "tf32"}
+        reference = None
+        for bm, br, bd, warps, stages in SWEEP_CONFIGS:
+            grid = (triton.cdiv(regions, br), triton.cdiv(n_q, bm // h), g)
+
+            def call(cfg=(bm, br, bd, warps, stages), grid=grid, args=args, meta=meta) -> None:
+                tk._indexer_score_kernel[grid](
+                    *args,
+                    **meta,
+                    BLOCK_M=cfg[0],
+                    BLOCK_R=cfg[1],
+                    BLOCK_D=cfg[2],
+                    num_warps=cfg[3],
+                    num_stages=cfg[4],
+                )
+
+            try:
+                out.fill_(float("nan"))
+                call()
+                if reference is None:
+                    reference = out.clone()
+                ok = bool(torch.equal(out, reference))
+                ms = triton_bench(call, warmup=5, rep=30)
+            except Exception as exc:  # a config that does not fit (shared memory, registers)
+                print(
+                    f"  q={n_q} r={regions} {(bm, br, bd, warps, stages)} failed: {type(exc).__name__}"
+                )
+                continue
+            tflops = flops / ms / 1e9
+            rows.append(
+                {
+                    "name": "score kernel sweep",
+                    "shape": f"q={n_q} regions={regions}",
+                    "config": [bm, br, bd, warps, stages],
+                    "ms": round(ms, 4),
+                    "tflops": round(tflops, 1),
+                    "same_as_first_config": ok,
+                }
+            )
+            print(
+                f"  q={n_q:<5} regions={regions:<6} BLOCK_M={bm:<3} BLOCK_R={br:<3} BLOCK_D={bd:<3}"
+                f" warps={warps} stages={stages}  {ms:8.4f} ms  {tflops:6.1f} TFLOP/s"
+                f"  {'same' if ok else 'DIFFERENT'} scores",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="128k only, default selection options")
     parser.add_argument("--json", help="write the rows as JSON to this path")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the top kernels of torch.profiler for one 128k forward (default options)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time the scoring kernel under explicit configs on tiles of the 128k walk",
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", help="sequence lengths (default 65536 131072)"
+    )
     parser.add_argument(
         "--cpu-smoke", type=int, metavar="S", help="run once on CPU at S tokens (checks the script)"
     )
@@ -165,7 +342,10 @@ def main() -> None:
         bench_indexer(
             rows,
             args.cpu_smoke,
-            [{"method": "threshold", "region_chunk": 256, "score_budget_bytes": 1 << 22}],
+            [
+                {"method": "threshold", "region_chunk": 256, "score_budget_bytes": 1 << 22},
+                {"method": "composite", "region_chunk": 256, "score_budget_bytes": 1 << 22},
+            ],
         )
         return
     import triton
@@ -180,14 +360,25 @@ def main() -> None:
     options = [default]
     if not args.quick:
         options += [
-            {"method": "composite", "region_chunk": 16384, "score_budget_bytes": 1 << 30},
-            {"method": "threshold", "region_chunk": 16384, "score_budget_bytes": 256 << 20},
+            {**default, "score_budget_bytes": 2 << 30},
+            {**default, "project_rows": 16384},
+            {**default, "method": "composite"},
         ]
-    for total in [131072] if args.quick else [65536, 131072]:
-        bench_indexer(rows, total, options if total == 131072 else [default])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    lengths = args.lengths or ([131072] if args.quick else [65536, 131072])
+
+    def save() -> None:  # after every section, so that a timeout keeps what was measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    save()
+    for total in lengths:
+        longest = total == max(lengths)
+        bench_indexer(rows, total, options if longest else [default], args.profile and longest)
+        save()
+    if args.sweep:
+        sweep_score_kernel(rows)
+        save()
 
 
 if __name__ == "__main__":

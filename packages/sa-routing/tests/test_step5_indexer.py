@@ -242,6 +242,43 @@ def test_indexer_selects_the_oracle_regions_from_hidden_states() -> None:
     assert (ids[:, :, :, :-1] <= ids[:, :, :, 1:]).all(), "ids ascending"
 
 
+def test_indexer_selection_does_not_depend_on_how_many_rows_are_projected_per_call() -> None:
+    torch.manual_seed(8)
+    indexer = make_indexer(SMALL)
+    pos_a, pad_a = document_positions([70, 3, 60], 140)
+    pos_b, pad_b = document_positions([137], 140)
+    pos, pad = torch.stack([pos_a, pos_b]), torch.stack([pad_a, pad_b])
+    hidden = torch.randn(2, 140, SMALL.hidden_size).to(torch.bfloat16)
+    keys, logits = indexer.project_keys(hidden, pos)
+    m = region_metadata(pos, pad, 0, 140, SMALL.region_size, SMALL.topk, tile_size=16)
+    results = []
+    for rows in (1, 7, 40, 4096):
+        indexer.selection_options = {"project_rows": rows, "region_chunk": 5}
+        results.append(indexer(hidden, pos, keys, logits, pos, pad, metadata=m).region_ids)
+    assert all(torch.equal(r, results[-1]) for r in results)
+    indexer.selection_options = {"project_rows": 0}
+    with pytest.raises(ValueError, match="project_rows must be an int >= 1"):
+        indexer(hidden, pos, keys, logits, pos, pad, metadata=m)
+
+
+def test_stage_marks_name_every_stage_of_the_walk_in_order() -> None:
+    torch.manual_seed(9)
+    indexer = make_indexer(SMALL)
+    pos, pad = document_positions([130], 140)
+    hidden = torch.randn(1, 140, SMALL.hidden_size).to(torch.bfloat16)
+    keys, logits = indexer.project_keys(hidden, pos[None])
+    marks: list[str] = []
+    indexer.selection_options = {"_mark": marks.append, "score_budget_bytes": 1}
+    marked = indexer(hidden, pos[None], keys, logits, pos[None], pad[None]).region_ids
+    indexer.selection_options = {}
+    plain = indexer(hidden, pos[None], keys, logits, pos[None], pad[None]).region_ids
+    assert torch.equal(marked, plain)
+    assert marks[0] == "summaries" and marks[-1] == "merge"
+    walk = marks[1:]
+    assert walk.count("merge") > 1, "one merged tile per metadata tile with a 1-byte budget"
+    assert set(walk) == {"project_queries", "score", "topk", "merge"}
+
+
 @pytest.mark.parametrize("shards", [2, 5], ids=lambda n: f"cp{n}")
 def test_indexer_shard_equals_the_slice_of_the_unsharded_selection(shards: int) -> None:
     torch.manual_seed(7)

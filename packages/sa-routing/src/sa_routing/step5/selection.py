@@ -81,25 +81,46 @@ def select_regions_tiled(
     score_budget_bytes: int = 2**30,
     method: str = "threshold",
     backend: str = "auto",
+    _mark: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """`select_regions` with queries produced per tile: `tile_inputs(b, q0, q1)` returns the query
     `[1, q1 - q0, G, H, D]` and weights `[1, q1 - q0, G, H]` of rows `[q0, q1)` of batch row b, so
-    that queries are projected only where scored and only one tile's worth at a time."""
+    that queries are projected only where scored and only one tile's worth at a time.
+
+    `_mark(stage)` (private, for the benchmark's per-stage timing) is called after each stage of the
+    walk with the stage's name ("project_queries", "score", "topk", "merge")."""
     if method not in METHODS:
         raise ValueError(f"select_regions: method must be one of {METHODS}; got {method!r}")
     if isinstance(region_chunk, bool) or not isinstance(region_chunk, int) or region_chunk < 1:
         raise ValueError(f"select_regions: region_chunk must be an int >= 1; got {region_chunk!r}")
+    mark = _mark if _mark is not None else _no_mark
     out = select_regions_dense(metadata, groups)
-    for tile in _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes):
+    merged = _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes)
+    for tile, last_first in zip(merged, _merged_last_first(metadata, merged), strict=True):
         b, q0, q1, _, _ = tile
         query, weights = tile_inputs(b, q0, q1)
+        mark("project_queries")
         ids = _tile_topk(
-            query, weights, summary[b : b + 1], metadata, tile, region_chunk, method, backend
+            query,
+            weights,
+            summary[b : b + 1],
+            metadata,
+            tile,
+            last_first,
+            region_chunk,
+            method,
+            backend,
+            mark,
         )
+        if method == "composite":
+            ids = torch.sort(ids, dim=-1).values
+        # a sparse row's kept ids ascend and are all below its current region: appending the current
+        # region keeps them ascending, no sort needed (other rows are discarded below)
         sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
         current = metadata.current[b, q0:q1].view(1, -1, 1).expand(groups, -1, 1)
-        chosen = torch.sort(torch.cat([ids, current], dim=-1), dim=-1).values.to(torch.int32)
+        chosen = torch.cat([ids.to(torch.int32), current.to(torch.int32)], dim=-1)
         out[b, :, q0:q1] = torch.where(sparse, chosen, out[b, :, q0:q1])
+        mark("merge")
     return out
 
 
@@ -113,25 +134,77 @@ def select_regions_dense(metadata: RegionMetadata, groups: int) -> torch.Tensor:
     return dense.unsqueeze(1).expand(-1, groups, -1, -1).contiguous()
 
 
+def _no_mark(stage: str) -> None:
+    return None
+
+
+def _merged_last_first(metadata: RegionMetadata, merged: list[ScoreTile]) -> list[int | None]:
+    """Per merged tile, the largest first region (document start) of its sparse queries, or None
+    when the metadata does not carry it."""
+    tiles, last_first = metadata.score_tiles, metadata.score_tile_last_first
+    if len(last_first) != len(tiles):
+        return [None] * len(merged)
+    out: list[int | None] = []
+    i = 0
+    for b, _, q1, _, _ in merged:
+        best = -1
+        while i < len(tiles) and tiles[i][0] == b and tiles[i][2] <= q1:
+            best = max(best, last_first[i])
+            i += 1
+        out.append(best)
+    return out
+
+
+def _mask_non_candidates(
+    scores: torch.Tensor,
+    metadata: RegionMetadata,
+    tile: ScoreTile,
+    last_first: int | None,
+    c0: int,
+    c1: int,
+) -> None:
+    """Set the scores of non-candidate regions of the tile's sparse rows to -inf, in place.
+
+    scores: float32 [G, q1 - q0, c1 - c0], regions `[c0, c1)`. Rows of non-sparse queries are left as
+    they are (their selection is discarded). Only columns where a bound can bite are touched: a sparse
+    query's current region is at least `past_last_region - (q1 - q0)` (a region id grows by at most
+    one per token), and its first region is at most the tile's largest first region `last_first`.
+    """
+    b, q0, q1, _, r1 = tile
+    region = torch.arange(c0, c1, device=scores.device)
+    upper = max(c0, r1 - (q1 - q0))
+    if upper < c1:
+        current = metadata.current[b, q0:q1].view(1, -1, 1)
+        cols = slice(upper - c0, None)
+        scores[..., cols].masked_fill_(region[cols] >= current, float("-inf"))
+    lower = c1 if last_first is None else min(c1, last_first)
+    if lower > c0:
+        first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
+        cols = slice(None, lower - c0)
+        scores[..., cols].masked_fill_(region[cols] < first, float("-inf"))
+
+
 def _tile_topk(
     query: torch.Tensor,
     weights: torch.Tensor,
     summary: torch.Tensor,
     metadata: RegionMetadata,
     tile: ScoreTile,
+    last_first: int | None,
     region_chunk: int,
     method: str,
     backend: str,
+    mark: Callable[[str], None] = _no_mark,
 ) -> torch.Tensor:
-    """Running top-k over region chunks of one tile: int64 [G, q1 - q0, topk] region ids (any order).
+    """Running top-k over region chunks of one tile: int64 [G, q1 - q0, topk] region ids, ascending
+    for method "threshold" (`stable_topk` returns ascending positions and the candidates' ids ascend
+    with their position), in any order for "composite".
 
-    query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch row.
+    query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch
+    row. Ids of rows that are not sparse are meaningless (the caller discards them).
     """
     b, q0, q1, r0, r1 = tile
     topk = metadata.topk
-    first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
-    current = metadata.current[b, q0:q1].view(1, -1, 1)
-    sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
     best_scores: torch.Tensor | None = None
     best_ids: torch.Tensor | None = None
     for c0 in range(r0, r1, region_chunk):
@@ -141,16 +214,22 @@ def _tile_topk(
         )
         scores = tile_scores[0]
         region = torch.arange(c0, c1, device=scores.device)
-        candidate = sparse & (region >= first) & (region < current)
         if method == "composite":
+            first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
+            current = metadata.current[b, q0:q1].view(1, -1, 1)
+            sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
+            candidate = sparse & (region >= first) & (region < current)
             keys = _composite_keys(scores, region, candidate)
+            mark("score")
             if best_scores is not None:
                 keys = torch.cat([best_scores, keys], dim=-1)
             if keys.shape[-1] > topk:
                 keys = torch.topk(keys, topk, sorted=False).values
             best_scores = keys
+            mark("topk")
             continue
-        scores = scores.masked_fill_(~candidate, float("-inf"))
+        _mask_non_candidates(scores, metadata, tile, last_first, c0, c1)
+        mark("score")
         ids = region  # 1-D, broadcast over (group, query) until a running state exists
         if best_scores is not None and best_ids is not None:
             scores = torch.cat([best_scores, scores], dim=-1)
@@ -163,6 +242,7 @@ def _tile_topk(
         chosen = stable_topk(scores, topk)
         best_scores = scores.gather(-1, chosen)
         best_ids = ids[chosen] if ids.dim() == 1 else ids.gather(-1, chosen)
+        mark("topk")
     if method == "composite":
         assert best_scores is not None
         best_ids = _ID_FLIP - (best_scores % _LOW)
