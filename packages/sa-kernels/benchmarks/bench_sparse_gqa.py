@@ -56,6 +56,10 @@ SWEEP_OPTIONS = [
      "BLOCK_N2": 32, "num_stages": 3, "num_warps": 4},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128,
      "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
+     "BLOCK_N2": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+     "BLOCK_N2": 32, "num_stages": 2, "num_warps": 4},
 ]  # fmt: skip
 
 
