@@ -8,10 +8,10 @@ only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled
 Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
 head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) needed 256–368 KiB of shared
 memory with the route `mask_mod` (227 KiB available; measured 2026-11-29, docs/benchmarks.md), while
-head_dim 256 compiled with its 64×64, 2-stage defaults. `flex_kernel_options` therefore pins 64×64
-tiles, 2 stages and 4 warps for head_dim <= 128 (16-bit inputs on CUDA): the same tile shapes that
-compiled at head_dim 256, with half the bytes per row. 64 divides the 128-wide route tiles, as Flex
-requires (its BlockMask block size must be a multiple of the kernel's).
+head_dim 256 compiled with its 64×64, 2-stage defaults. `flex_kernel_options` therefore pins, for
+head_dim <= 128 (16-bit inputs on CUDA), the fastest configuration of an H200 sweep that fits: forward
+128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps. Every tile divides the
+128-wide route tiles, as Flex requires (its BlockMask block size must be a multiple of the kernel's).
 """
 
 import functools
@@ -64,22 +64,25 @@ def _compiled_flex():
 # Flex tiles for head_dim <= 128 on CUDA (see the module docstring): forward BLOCK_M × BLOCK_N,
 # backward BLOCK_M1 × BLOCK_N1 (dK/dV) and BLOCK_M2 × BLOCK_N2 (dQ); unprefixed keys, which every
 # torch release with FlexAttention reads (forward and backward each take the names they know).
+# The H200 sweep (`bench_sparse_gqa.py --sweep`, 2026-11-29 17:24 UTC, clustered per-group routes,
+# 32k, Hq 64 / Hkv 4 / D 128) picked these: fwd+bwd 54.6 ms vs 77.2 ms for 64×64 tiles with 4 warps;
+# 128×128 forward tiles with a mask_mod need 294 912 bytes of shared memory (the limit is 232 448).
 _SMALL_HEAD_FLEX_OPTIONS = {
-    "BLOCK_M": 64,
+    "BLOCK_M": 128,
     "BLOCK_N": 64,
     "BLOCK_M1": 64,
-    "BLOCK_N1": 64,
-    "BLOCK_M2": 64,
+    "BLOCK_N1": 128,
+    "BLOCK_M2": 128,
     "BLOCK_N2": 64,
     "num_stages": 2,
-    "num_warps": 4,
+    "num_warps": 8,
 }
 
 
 def flex_kernel_options(head_dim: int, dtype: torch.dtype, device_type: str) -> dict | None:
     """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
 
-    16-bit inputs on CUDA with head_dim <= 128 get 64×64 tiles, 2 stages and 4 warps (fits sm_90's
+    16-bit inputs on CUDA with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's
     227 KiB of shared memory); head_dim > 128, FP32 and CPU keep torch's defaults.
     """
     if device_type != "cuda" or dtype == torch.float32 or head_dim > 128:

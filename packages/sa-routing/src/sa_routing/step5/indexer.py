@@ -17,8 +17,9 @@ from .selection import select_regions_dense, select_regions_tiled
 from .summaries import summarize_regions
 
 SUMMARY_CHUNK_REGIONS = 4096
-PROJECT_CHUNK_QUERIES = 4096
-"""Query rows projected per call: adjacent score tiles share one projection (fewer, larger launches)."""
+PROJECT_CHUNK_QUERIES = 16384
+"""Query rows projected per call: adjacent score tiles share one projection (fewer, larger launches).
+H200, 128k tokens (2026-11-29): 16384 rows 160.2 ms per forward, 4096 rows 163.3 ms; peak 0.87 vs 0.79 GiB."""
 
 
 class Step5SparseIndexer(nn.Module):
