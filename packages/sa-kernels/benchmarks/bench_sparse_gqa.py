@@ -241,7 +241,7 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
             if result is not None:
                 extra = dict(info or {})
                 if backend == "auto":
-                    extra["chose"] = auto_backend(mask, "cuda")
+                    extra["chose"] = auto_backend(mask, q.device, dtype=q.dtype, head_dim=dim)
                 table.add(f"{kind}-{backend}", shape, *result, pairs, dim, extra or None)
                 info = None
         if sweep and kind == "clustered" and dim <= 128:

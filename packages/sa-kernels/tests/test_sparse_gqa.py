@@ -382,16 +382,37 @@ def test_auto_picks_flex_for_clustered_and_gather_for_scattered_routes_on_cuda(r
     clustered_mask = build_route_block_mask(clustered, 384, 4, build_flex=None)
     scattered_mask = build_route_block_mask(scattered, 384, 4, build_flex=None)
     assert clustered_mask.occupancy >= FLEX_MIN_OCCUPANCY > scattered_mask.occupancy
-    assert auto_backend(clustered_mask, cuda) == "flex"
-    assert auto_backend(scattered_mask, cuda) == "gather"
+    h200 = {"capability": (9, 0)}
+    assert auto_backend(clustered_mask, cuda, **h200) == "flex"
+    assert auto_backend(scattered_mask, cuda, **h200) == "gather"
     # A scattered mask built with its Flex BlockMask anyway still runs gather under auto.
-    assert (
-        auto_backend(build_route_block_mask(scattered, 384, 4, build_flex=True), cuda) == "gather"
-    )
+    scattered_with_flex = build_route_block_mask(scattered, 384, 4, build_flex=True)
+    assert auto_backend(scattered_with_flex, cuda, **h200) == "gather"
     # A gather-only build has no tile statistics: auto runs gather and never syncs for them.
     gather_only = build_route_block_mask(clustered, 384, 4, build_flex=False)
-    assert auto_backend(gather_only, cuda) == "gather" and gather_only.statistics is None
+    assert auto_backend(gather_only, cuda, **h200) == "gather" and gather_only.statistics is None
     assert auto_backend(clustered_mask, "cpu") == "reference"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "capability", "expected"),
+    [
+        (torch.bfloat16, 128, (9, 0), "flex"),
+        (torch.float16, 64, (9, 0), "flex"),
+        (torch.bfloat16, 256, (9, 0), "flex"),
+        (torch.float32, 128, (9, 0), "gather"),
+        (torch.bfloat16, 192, (9, 0), "gather"),
+        (torch.bfloat16, 128, (8, 0), "gather"),
+        (torch.bfloat16, 128, (10, 0), "gather"),
+    ],
+    ids=["bf16-D128-sm90", "fp16-D64-sm90", "bf16-D256-sm90", "fp32", "D192", "sm80", "sm100"],
+)
+def test_auto_runs_flex_only_inside_the_tested_envelope(dtype, head_dim, capability, expected):
+    """Clustered routes outside the dtypes, head dims and GPUs where Flex was measured run gather."""
+    clustered, _ = _clustered_and_scattered_ids(1)
+    mask = build_route_block_mask(clustered, 384, 4, build_flex=None)
+    got = auto_backend(mask, "cuda", dtype=dtype, head_dim=head_dim, capability=capability)
+    assert got == expected
 
 
 def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
@@ -410,6 +431,7 @@ def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
     assert flex_kernel_options(256, torch.bfloat16, "cuda") is None
     assert flex_kernel_options(128, torch.float32, "cuda") is None
     assert flex_kernel_options(128, torch.bfloat16, "cpu") is None
+    assert flex_kernel_options(128, torch.bfloat16, "cuda", capability=(8, 0)) is None
 
 
 def test_auto_on_cpu_runs_the_reference():

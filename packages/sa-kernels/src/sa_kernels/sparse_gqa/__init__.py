@@ -25,6 +25,7 @@ from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
 
 __all__ = [
+    "FLEX_TESTED_CAPABILITIES",
     "RouteBlockMask",
     "auto_backend",
     "build_route_block_mask",
@@ -79,13 +80,31 @@ _SMALL_HEAD_FLEX_OPTIONS = {
 }
 
 
-def flex_kernel_options(head_dim: int, dtype: torch.dtype, device_type: str) -> dict | None:
+FLEX_TESTED_CAPABILITIES = ((9, 0),)
+"""GPU generations (compute capability) where `auto` may pick Flex: measured and tested there."""
+_FLEX_TESTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def flex_kernel_options(
+    head_dim: int,
+    dtype: torch.dtype,
+    device_type: str,
+    capability: tuple[int, int] | None = (9, 0),
+) -> dict | None:
     """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
 
-    16-bit inputs on CUDA with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's
-    227 KiB of shared memory); head_dim > 128, FP32 and CPU keep torch's defaults.
+    16-bit inputs on an sm_90 GPU (`capability` (9, 0)) with head_dim <= 128 get 128×64 / 64×128
+    tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of shared memory); head_dim > 128, FP32, CPU
+    and other GPU generations keep torch's defaults.
     """
-    if device_type != "cuda" or dtype == torch.float32 or head_dim > 128:
+    if device_type != "cuda" or dtype == torch.float32 or head_dim > 128 or capability != (9, 0):
         return None
     return dict(_SMALL_HEAD_FLEX_OPTIONS)
 
@@ -113,22 +132,39 @@ def _flex(
     return out.transpose(1, 2).contiguous()
 
 
-def auto_backend(block_mask: RouteBlockMask, device: torch.device | str) -> str:
+def auto_backend(
+    block_mask: RouteBlockMask,
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 128,
+    capability: tuple[int, int] | None = None,
+) -> str:
     """The backend `backend="auto"` runs for these routes: "reference", "flex" or "gather".
 
-    CPU: "reference". CUDA: "flex" when the mask was built with its tile statistics
-    (`build_flex=None` or True), its Flex BlockMask exists and the occupancy (selected pairs / area of
-    the 128×128 tiles they touch) is at least FLEX_MIN_OCCUPANCY (0.5): the routes cluster into
-    tiles and Flex's dense tile math wastes at most half of its work. Otherwise "gather" (scattered
-    routes, or a mask built with `build_flex=False`, whose statistics were never computed). Decided
-    from host numbers the build already holds: no device sync per call.
+    CPU: "reference". CUDA: "flex" when the routes cluster into tiles and the call lies inside the
+    envelope where Flex was measured and tested; otherwise "gather" (verified on every route
+    structure). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
+    its Flex BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
+    touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
+    its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 or == 256, a GPU whose compute
+    capability is in FLEX_TESTED_CAPABILITIES (`capability`; default: the device's own). Decided from
+    host numbers the build already holds: no device sync per call.
     """
     if torch.device(device).type != "cuda":
         return "reference"
+    if capability is None:
+        capability = _cuda_capability(device)
+    in_envelope = (
+        dtype in _FLEX_TESTED_DTYPES
+        and (head_dim <= 128 or head_dim == 256)
+        and capability in FLEX_TESTED_CAPABILITIES
+    )
     stats = block_mask.statistics
-    if block_mask.flex is not None and stats is not None and stats.occupancy >= FLEX_MIN_OCCUPANCY:
-        return "flex"
-    return "gather"
+    clustered = (
+        block_mask.flex is not None and stats is not None and stats.occupancy >= FLEX_MIN_OCCUPANCY
+    )
+    return "flex" if clustered and in_envelope else "gather"
 
 
 def _validate(fn, query, key, value, token_ids, backend):
@@ -282,13 +318,17 @@ def sparse_gqa_attention(
             build_flex={"flex": True, "gather": False}.get(backend),
         )
     if backend == "auto":
-        backend = auto_backend(block_mask, query.device)
+        backend = auto_backend(
+            block_mask, query.device, dtype=query.dtype, head_dim=query.shape[-1]
+        )
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
         options = _flex_options
         if options is None:
-            options = flex_kernel_options(query.shape[-1], query.dtype, query.device.type)
+            options = flex_kernel_options(
+                query.shape[-1], query.dtype, query.device.type, _cuda_capability(query.device)
+            )
         return _flex(_compiled_flex(), query, key, value, block_mask, scale, options)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _GatherAttention.apply(query, key, value, block_mask.routes, block_mask.counts, scale)
