@@ -5,7 +5,7 @@ copy bandwidth measured in this run.
 
     python packages/sa-kernels/benchmarks/bench_region_bitmap.py [--quick] [--sweep] [--json PATH]
 
-`--sweep` times every (ROWS, num_warps) launch config on the target shape, checks each writes the default's
+`--sweep` times every (ROWS, num_warps, BLOCK_S) launch config on the target shape, checks each writes the default's
 bits, and prints the best (the default config lives in `region_bitmap/triton_kernels.py`).
 """
 

@@ -30,7 +30,9 @@ BACKENDS = ["reference", "triton"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str
+)
 @pytest.mark.parametrize(("shape", "k", "dim"), CASES)
 def test_equals_the_stable_sort_on_tied_scores(shape, k, dim, dtype, backend):
     scores = _tied_scores(shape, dtype, seed=sum(shape) + k)
@@ -115,10 +117,14 @@ def test_equals_the_stable_sort_on_cuda_at_real_size(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [32768, 16385, 3000], ids=lambda n: f"n{n}")
-def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [32768, 16385, 3000, 513, 100, 1], ids=lambda n: f"n{n}")
+def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
+    """Every block size the kernel compiles (16 … 32768 entries, 4 to 32 warps), 16-bit rows too."""
+    k = min(512, n)
     scores = _tied_scores((600, n), torch.float32, seed=n, device="cuda")
     scores[:300] += torch.randn(300, n, device="cuda")
-    got = stable_topk(scores, 512, backend="triton")
-    assert torch.equal(got, reference.stable_topk(scores, 512))
-    assert torch.equal(got, stable_topk(scores, 512, backend="reference"))
+    scores = scores.to(dtype)
+    got = stable_topk(scores, k, backend="triton")
+    assert torch.equal(got, reference.stable_topk(scores, k))
+    assert torch.equal(got, stable_topk(scores, k, backend="reference"))

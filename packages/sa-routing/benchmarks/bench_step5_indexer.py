@@ -6,8 +6,8 @@ document of S tokens (the worst case for scoring); metadata is built once outsid
 model does. The baseline is the scoring FLOPs alone at 300 TFLOP/s: `2 · G·H · D · Σ_q (p_q // 8)`
 over sparse queries; target ratio ≤ 1.3. Per-stage breakdown (CUDA events recorded at the stage marks of
 the real forward, summed over tiles): project_keys, summaries, project_queries, score (scoring kernel and
-causal masking; its TFLOP/s counts the scored rectangles), topk (`stable_topk`), merge (current region,
-sort, write). `--profile` prints the top kernels of `torch.profiler` for one 128k forward and the number of
+causal masking; its TFLOP/s counts the scored rectangles), topk (`stable_topk`), merge (current region
+appended, ids written; the composite method also sorts). `--profile` prints the top kernels of `torch.profiler` for one 128k forward and the number of
 kernel launches. Peak extra memory = peak allocated during the forward minus what was
 allocated before it, minus the output. region_metadata: 128k tokens, 8 documents, ms and host syncs
 (counted with torch.cuda.set_sync_debug_mode), target ≤ 5 ms and ≤ 1 sync.
@@ -330,7 +330,7 @@ def main() -> None:
     if not args.quick:
         options += [
             {**default, "score_budget_bytes": 2 << 30},
-            {**default, "project_rows": 16384},
+            {**default, "project_rows": 4096},
             {**default, "method": "composite"},
         ]
     lengths = args.lengths or ([131072] if args.quick else [65536, 131072])

@@ -4,7 +4,10 @@ import torch
 
 from sa_kernels.backend import resolve_backend
 
-__all__ = ["stable_topk"]
+__all__ = ["TRITON_MAX_ROW", "stable_topk"]
+
+TRITON_MAX_ROW = 32768
+"""Longest row the Triton kernel holds in registers; longer rows take the PyTorch path."""
 
 _TIE_BASE = 2**30
 """Tie keys are `_TIE_BASE - position`: distinct, positive and below `_INT32_MAX` for every position."""
@@ -68,12 +71,10 @@ def stable_topk(
         raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
     use_triton = resolve_backend(fn, backend, scores) == "triton"
     if use_triton:
-        from .triton_kernels import MAX_ROW
-
-        fits = scores.dtype in _TRITON_DTYPES and n <= MAX_ROW
+        fits = scores.dtype in _TRITON_DTYPES and n <= TRITON_MAX_ROW
         if backend == "triton" and not fits:
             raise ValueError(
-                f"{fn}: backend='triton' needs float32/bfloat16/float16 rows of at most {MAX_ROW} "
+                f"{fn}: backend='triton' needs float32/bfloat16/float16 rows of at most {TRITON_MAX_ROW} "
                 f"entries; got {scores.dtype} rows of {n}"
             )
         use_triton = fits

@@ -13,9 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROW = 32768
-"""Longest row the kernel holds in registers (larger rows take the PyTorch path)."""
-
 
 @triton.jit
 def _stable_topk_kernel(
@@ -72,10 +69,10 @@ def stable_topk_rows(
     """`stable_topk` of every row of `scores` (no validation: internal).
 
     Args:
-        scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= MAX_ROW`.
+        scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= TRITON_MAX_ROW`.
+        _num_warps: overrides the launch's warps (benchmark sweeps; the result does not change).
     Returns:
         int64 [rows, k], ascending positions per row.
-        `_num_warps` overrides the launch's warps (benchmark sweeps; the result does not change).
     """
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)

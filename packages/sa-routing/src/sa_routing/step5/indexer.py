@@ -179,7 +179,9 @@ class Step5SparseIndexer(nn.Module):
     ) -> Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]:
         """`tile_inputs` for `select_regions_tiled`: projects up to `project_rows` rows at a time (never
         past the batch row's last score tile) and hands out slices, so that adjacent tiles share one
-        projection. Each row's projection does not depend on the others in its call."""
+        projection. On CPU a row's projection does not depend on the others in its call; on CUDA the
+        GEMM kernel cuBLAS picks may depend on the call's row count, so scores can change in the last
+        bits with `project_rows` (and a selection only at FP32 near-ties)."""
         if isinstance(project_rows, bool) or not isinstance(project_rows, int) or project_rows < 1:
             raise ValueError(
                 f"Step5SparseIndexer.forward: project_rows must be an int >= 1; got {project_rows!r}"

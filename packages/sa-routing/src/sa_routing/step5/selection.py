@@ -46,9 +46,10 @@ def select_regions(
         region_chunk: regions scored per call; with `score_budget_bytes` it bounds the temporaries.
         score_budget_bytes: adjacent tiles of one batch row are scored in one call while their FP32
             scores and int64 keys fit in this many bytes (results do not depend on it).
-        method: how ties are made deterministic (both give the same ids): "threshold" (a float top-k
-            for the k-th score, then an int32 top-k over ids among the ties) or "composite" (one int64
-            top-k over `(order-preserving score bits << 32) | (2**31 - 1 - id)`).
+        method: how ties are made deterministic (both give the same ids): "threshold"
+            (`sa_kernels.stable_topk` on the running candidates, whose ids ascend: a Triton radix
+            select on CUDA, two PyTorch top-k passes otherwise) or "composite" (one int64 top-k over
+            `(order-preserving score bits << 32) | (2**31 - 1 - id)`).
         backend: `indexer_score_tile`'s backend.
     Raises:
         ValueError: shapes disagree with each other or with `metadata`; unknown `method`;
@@ -236,6 +237,7 @@ def _tile_topk(
             ids = torch.cat([best_ids, region.expand(*best_ids.shape[:2], -1)], dim=-1)
         if scores.shape[-1] <= topk:
             best_scores, best_ids = scores, ids.expand_as(scores)
+            mark("topk")
             continue
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
