@@ -4,7 +4,8 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
-`--sweep` also times every warp count the kernel allows and prints the best per shape.
+`--sweep` also times warp counts × output-phase tiles (`OUTPUT_TILE`; 0 = whole row) per shape, checks
+each against the PyTorch path, and prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
 """
@@ -16,7 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import stable_topk
-from sa_kernels.stable_topk.triton_kernels import default_num_warps, stable_topk_rows
+from sa_kernels.stable_topk.triton_kernels import OUTPUT_TILE, default_num_warps, stable_topk_rows
 
 SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048, 64)]
 
@@ -42,14 +43,22 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
     }
     if sweep:
         block = max(16, 1 << (n - 1).bit_length())
-        timings = {
-            warps: do_bench(lambda w=warps: stable_topk_rows(scores, k, _num_warps=w), rep=50)
-            for warps in (4, 8, 16, 32)
-        }
+        expected = stable_topk(scores, k, backend="reference")
+        timings = {}
+        for tile in (0, 1024, 2048, 4096):
+            for warps in (4, 8, 16, 32):
+                got = stable_topk_rows(scores, k, _num_warps=warps, _output_tile=tile)
+                assert torch.equal(got, expected), (tile, warps)
+                timings[f"tile{tile}-warps{warps}"] = do_bench(
+                    lambda w=warps, t=tile: stable_topk_rows(
+                        scores, k, _num_warps=w, _output_tile=t
+                    ),
+                    rep=50,
+                )
         row.update(
             sweep_ms=timings,
-            default_warps=default_num_warps(block),
-            best_warps=min(timings, key=timings.get),
+            default=f"tile{OUTPUT_TILE}-warps{default_num_warps(block)}",
+            best=min(timings, key=timings.get),
         )
     return row
 
@@ -67,7 +76,11 @@ def main() -> None:
             f"[{rows}, {n}] k {k}: triton {row['triton_ms']:.3f} ms ({row['gbps']:.0f} GB/s), "
             f"torch path {row['torch_path_ms']:.3f} ({row['speedup_vs_torch_path']:.2f}x), "
             f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}"
-            + (f", sweep {row['sweep_ms']} best {row['best_warps']}" if args.sweep else ""),
+            + (
+                f"\n  sweep {row['sweep_ms']}\n  best {row['best']} (default {row['default']})"
+                if args.sweep
+                else ""
+            ),
             flush=True,
         )
     if args.json:

@@ -5,6 +5,7 @@ import torch
 
 from sa_kernels import stable_topk
 from sa_kernels.stable_topk import reference
+from sa_kernels.stable_topk.triton_kernels import stable_topk_rows
 
 
 def _tied_scores(shape, dtype, seed, device="cpu"):
@@ -70,14 +71,17 @@ def test_all_equal_scores_keep_the_first_positions(backend):
     ids=["n1", "n16-k-equals-n", "n17-just-past-a-block", "n1025-k512", "n2048-k1"],
 )
 def test_triton_rows_equal_the_stable_sort_across_block_sizes(n, k):
-    """Row lengths on and just past the kernel's power-of-two blocks; extreme magnitudes and -inf."""
+    """Row lengths on and just past the kernel's power-of-two blocks; extreme magnitudes and -inf;
+    the output phase over the whole row and in tiles (ties and kept slots carried across tiles)."""
     generator = torch.Generator().manual_seed(n + k)
     scores = torch.randn(5, n, generator=generator) * torch.logspace(-30, 30, n)
     scores[1] = scores[0].flip(0)
     scores[2, ::3] = float("-inf")
     scores[3] = scores[3].round()  # ties between distinct positions
-    got = stable_topk(scores, k, backend="triton")
-    assert torch.equal(got, reference.stable_topk(scores, k))
+    expected = reference.stable_topk(scores, k)
+    assert torch.equal(stable_topk(scores, k, backend="triton"), expected)
+    for tile in (16, 256):
+        assert torch.equal(stable_topk_rows(scores, k, _output_tile=tile), expected), tile
 
 
 def test_triton_backend_refuses_rows_longer_than_a_program_holds():
@@ -128,3 +132,5 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     got = stable_topk(scores, k, backend="triton")
     assert torch.equal(got, reference.stable_topk(scores, k))
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
+    for tile in (1024, 4096):
+        assert torch.equal(stable_topk_rows(scores, k, _output_tile=tile), got), tile

@@ -5,13 +5,26 @@ the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below every
 `t` is built bit by bit from the top: a candidate bit stays set when at least k keys reach the
 candidate. Then every key above `t` is kept, and of the keys equal to `t` the first `k - #above`
 positions (an exclusive prefix count). A prefix count over the kept mask gives each kept position
-its output slot, so positions come out ascending without a sort. One read of the row, k writes,
-no workspace in memory, no host sync.
+its output slot, so positions come out ascending without a sort: over the whole row at once from the
+registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts carried between tiles.
+One or two reads of the row, k writes, no workspace in memory, no host sync.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _order_keys(scores_ptr, offsets, n):
+    """uint32 keys whose unsigned order is the scores' order; positions at or past n get key 0."""
+    in_row = offsets < n
+    x = tl.load(scores_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch.sort
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(offsets.shape, 0x80000000, tl.uint32)
+    keys = tl.where((bits & sign) != 0, ~bits, bits | sign)
+    return tl.where(in_row, keys, 0)  # -inf maps to 0x007fffff, so padding sorts below every score
 
 
 @triton.jit
@@ -23,16 +36,13 @@ def _stable_topk_kernel(
     stride_row,
     stride_out,
     BLOCK_N: tl.constexpr,
+    OUTPUT_TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    row_scores = scores_ptr + row * stride_row
+    row_out = out_ptr + row * stride_out
     offsets = tl.arange(0, BLOCK_N)
-    in_row = offsets < n
-    x = tl.load(scores_ptr + row * stride_row + offsets, mask=in_row, other=0.0).to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch.sort
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = tl.full([BLOCK_N], 0x80000000, tl.uint32)
-    keys = tl.where((bits & sign) != 0, ~bits, bits | sign)
-    keys = tl.where(in_row, keys, 0)  # -inf maps to 0x007fffff, so padding sorts below every score
+    keys = _order_keys(row_scores, offsets, n)
 
     threshold = tl.zeros([], dtype=tl.uint32)
     bit = tl.full([], 0x80000000, tl.uint32)
@@ -42,13 +52,28 @@ def _stable_topk_kernel(
         threshold = tl.where(reaching >= k, candidate, threshold)
         bit = bit >> 1
 
-    above = keys > threshold
-    tied = keys == threshold
-    still_needed = k - tl.sum(above.to(tl.int32), axis=0)
-    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
-    kept = above | (tied & (tied_before < still_needed))
-    slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + row * stride_out + slot, offsets.to(tl.int64), mask=kept)
+    still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
+    if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
+        above = keys > threshold
+        tied = keys == threshold
+        tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+        kept = above | (tied & (tied_before < still_needed))
+        slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        tl.store(row_out + slot, offsets.to(tl.int64), mask=kept)
+    else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
+        tied_seen = tl.zeros([], dtype=tl.int32)
+        kept_seen = tl.zeros([], dtype=tl.int32)
+        for start in range(0, n, OUTPUT_TILE):
+            tile = start + tl.arange(0, OUTPUT_TILE)
+            tile_keys = _order_keys(row_scores, tile, n)
+            above = tile_keys > threshold
+            tied = ((tile_keys == threshold) & (tile < n)).to(tl.int32)
+            tied_before = tied_seen + tl.cumsum(tied, axis=0) - tied
+            kept = above | ((tied != 0) & (tied_before < still_needed))
+            slot = kept_seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            tl.store(row_out + slot, tile.to(tl.int64), mask=kept)
+            tied_seen += tl.sum(tied, axis=0)
+            kept_seen += tl.sum(kept.to(tl.int32), axis=0)
 
 
 # A variant resolving 2 or 4 bits per step (one reduction over [digits, n] per step) measured slower on
@@ -63,14 +88,26 @@ def default_num_warps(block: int) -> int:
     return 8 if block <= 16384 else 32
 
 
+OUTPUT_TILE = 0
+"""Output phase: 0 computes the whole row's prefix sums from the registers (measured on the H200);
+a power of two re-reads the row in tiles of that many entries (fewer live registers: ptxas reports
+255 registers and 232 bytes of spills at 16384 entries × 8 warps for 0, none for 2048; not yet
+timed on a GPU, so `bench_stable_topk.py --sweep` includes it)."""
+
+
 def stable_topk_rows(
-    scores: torch.Tensor, k: int, *, _num_warps: int | None = None
+    scores: torch.Tensor,
+    k: int,
+    *,
+    _num_warps: int | None = None,
+    _output_tile: int | None = None,
 ) -> torch.Tensor:
     """`stable_topk` of every row of `scores` (no validation: internal).
 
     Args:
         scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= TRITON_MAX_ROW`.
-        _num_warps: overrides the launch's warps (benchmark sweeps; the result does not change).
+        _num_warps, _output_tile: override the launch's warps and `OUTPUT_TILE` (benchmark sweeps;
+            the result does not change).
     Returns:
         int64 [rows, k], ascending positions per row.
     """
@@ -87,6 +124,7 @@ def stable_topk_rows(
         scores.stride(0),
         out.stride(0),
         BLOCK_N=block,
+        OUTPUT_TILE=OUTPUT_TILE if _output_tile is None else min(_output_tile, block),
         num_warps=_num_warps or default_num_warps(block),
     )
     return out
