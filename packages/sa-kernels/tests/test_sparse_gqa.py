@@ -395,21 +395,34 @@ def test_auto_picks_flex_for_clustered_and_gather_for_scattered_routes_on_cuda(r
 
 
 @pytest.mark.parametrize(
-    ("dtype", "head_dim", "capability", "expected"),
+    ("dtype", "head_dim", "route_heads", "capability", "expected"),
     [
-        (torch.bfloat16, 128, (9, 0), "flex"),
-        (torch.float16, 64, (9, 0), "flex"),
-        (torch.bfloat16, 256, (9, 0), "flex"),
-        (torch.float32, 128, (9, 0), "gather"),
-        (torch.bfloat16, 192, (9, 0), "gather"),
-        (torch.bfloat16, 128, (8, 0), "gather"),
-        (torch.bfloat16, 128, (10, 0), "gather"),
+        (torch.bfloat16, 128, 2, (9, 0), "flex"),
+        (torch.float16, 64, 1, (9, 0), "flex"),
+        (torch.bfloat16, 256, 1, (9, 0), "flex"),
+        (torch.bfloat16, 256, 2, (9, 0), "gather"),
+        (torch.float32, 128, 1, (9, 0), "gather"),
+        (torch.bfloat16, 192, 1, (9, 0), "gather"),
+        (torch.bfloat16, 128, 1, (8, 0), "gather"),
+        (torch.bfloat16, 128, 1, (10, 0), "gather"),
     ],
-    ids=["bf16-D128-sm90", "fp16-D64-sm90", "bf16-D256-sm90", "fp32", "D192", "sm80", "sm100"],
+    ids=[
+        "bf16-D128-per-group-sm90",
+        "fp16-D64-shared-sm90",
+        "bf16-D256-shared-sm90",
+        "D256-per-group",
+        "fp32",
+        "D192",
+        "sm80",
+        "sm100",
+    ],
 )
-def test_auto_runs_flex_only_inside_the_tested_envelope(dtype, head_dim, capability, expected):
-    """Clustered routes outside the dtypes, head dims and GPUs where Flex was measured run gather."""
-    clustered, _ = _clustered_and_scattered_ids(1)
+def test_auto_runs_flex_only_inside_the_tested_envelope(
+    dtype, head_dim, route_heads, capability, expected
+):
+    """Clustered routes outside the dtypes, head dims, route layouts and GPUs where Flex was
+    measured run gather."""
+    clustered, _ = _clustered_and_scattered_ids(route_heads)
     mask = build_route_block_mask(clustered, 384, 4, build_flex=None)
     got = auto_backend(mask, "cuda", dtype=dtype, head_dim=head_dim, capability=capability)
     assert got == expected

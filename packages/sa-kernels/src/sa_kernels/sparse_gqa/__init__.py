@@ -147,17 +147,19 @@ def auto_backend(
     structure). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
     its Flex BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
-    its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 or == 256, a GPU whose compute
-    capability is in FLEX_TESTED_CAPABILITIES (`capability`; default: the device's own). Decided from
+    its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 (shared or per-KV-group routes) or
+    256 (shared routes), a GPU whose compute capability is in FLEX_TESTED_CAPABILITIES (`capability`;
+    default: the device's own). Decided from
     host numbers the build already holds: no device sync per call.
     """
     if torch.device(device).type != "cuda":
         return "reference"
     if capability is None:
         capability = _cuda_capability(device)
+    shared_routes = block_mask.routes.shape[1] == 1
     in_envelope = (
         dtype in _FLEX_TESTED_DTYPES
-        and (head_dim <= 128 or head_dim == 256)
+        and (head_dim <= 128 or (head_dim == 256 and shared_routes))
         and capability in FLEX_TESTED_CAPABILITIES
     )
     stats = block_mask.statistics
