@@ -1,7 +1,7 @@
 """Sparse MLA backward in Triton: delta = rowsum(dO * O), then a dq kernel and a dkv kernel.
 
 Both recompute the scores from the saved lse (log2 domain, sink included). The dq kernel keeps dq in
-registers; the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
+registers (an opt-in split variant writes a slice of the value dims per program); the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
 many queries, and twice by one query). Scores are computed transposed ([slots, heads]) so q and dO feed
 the MMAs from shared memory.
 """
@@ -167,6 +167,106 @@ def _sparse_mla_bwd_dq_kernel(
 
 
 @triton.jit
+def _sparse_mla_bwd_dq_split_kernel(
+    Q,
+    KV,
+    IDX,
+    TOPK_LEN,
+    DOUT,
+    LSE2,
+    DELTA,
+    DQ,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    heads,
+    keys,
+    width,
+    scale,
+    scale_log2,
+    HAS_LEN: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+):
+    """The dq kernel with less live state: each program writes DV / DV_SPLIT value dims of dq.
+
+    Grid axis 2 picks the slice (the first also writes the rope dims). The scores are recomputed per
+    slice and their dots run over 64-wide chunks of the value dims, as in the dkv kernel, so neither a
+    [BLOCK_K, 512] key tile nor the full [BLOCK_H, 512] accumulator has to live in registers.
+    """
+    DC: tl.constexpr = 64
+    DS: tl.constexpr = DV // DV_SPLIT
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < heads
+    offs_c = tl.arange(0, DC)
+    offs_s = part * DS + tl.arange(0, DS)
+    offs_r = DV + tl.arange(0, DR)
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    do_row = DOUT + t * stride_dot + offs_h[:, None] * stride_doh
+    lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
+    delta = tl.load(DELTA + t * heads + offs_h, mask=hmask, other=0.0)
+    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    if D_ROPE > 0:
+        q_rope = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
+        if UPCAST:
+            q_rope = q_rope.to(tl.float32)
+    idx_row = IDX + t * stride_it
+    dq_part = tl.zeros([BLOCK_H, DS], tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
+    for start in range(0, length, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys) & (slots < length)
+        kv_row = KV + ids.to(tl.int64) * stride_kvt
+        st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
+        dpt = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
+        for c in tl.static_range(DV // DC):
+            k_c = tl.load(
+                kv_row[:, None] + c * DC + offs_c[None, :], mask=valid[:, None], other=0.0
+            )
+            q_c = tl.load(q_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
+            do_c = tl.load(do_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
+            if UPCAST:
+                k_c = k_c.to(tl.float32)
+                q_c = q_c.to(tl.float32)
+                do_c = do_c.to(tl.float32)
+            st += tl.dot(k_c, tl.trans(q_c))
+            dpt += tl.dot(k_c, tl.trans(do_c))
+        if D_ROPE > 0:
+            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            st += tl.dot(k_rope, tl.trans(q_rope))
+        pt = tl.exp2(st * scale_log2 - lse2[None, :])
+        pt = tl.where(valid[:, None], pt, 0.0)
+        k_s = tl.load(kv_row[:, None] + offs_s[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k_s = k_s.to(tl.float32)
+        ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_s.dtype))
+        dq_part += tl.dot(ds, k_s)
+        if D_ROPE > 0:
+            dq_rope += tl.dot(ds, k_rope)
+    dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
+    tl.store(dq_row + offs_s[None, :], dq_part.to(DQ.dtype.element_ty), mask=hmask[:, None])
+    if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if part == 0:  # the first slice's programs also write the rope dims
+            tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
 def _sparse_mla_bwd_dkv_kernel(
     Q,
     KV,
@@ -296,6 +396,8 @@ def sparse_mla_backward(
 
     lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows);
     delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. Two kernels: dq (registers), dkv (atomics).
+    A dq_config with dv_split > 1 runs the split dq kernel instead (benchmark sweep only; raises
+    ValueError unless 512 / dv_split is a multiple of 64).
     """
     tokens, heads, head_dim = q.shape
     dq = torch.empty_like(q)
@@ -307,11 +409,20 @@ def sparse_mla_backward(
     lengths = topk_length if topk_length is not None else ids
     grid_of = lambda c: (triton.cdiv(heads, c.block_h), tokens)
     flags = (heads, head_dim, q.dtype, topk_length is not None)
+    dq_kernel, dq_grid_of, dq_extra = _sparse_mla_bwd_dq_kernel, grid_of, {}
+    if dq_config is not None and dq_config.dv_split > 1:
+        if VALUE_DIM % (64 * dq_config.dv_split) != 0:
+            raise ValueError(
+                f"sparse_mla_backward: dq_config.dv_split must split {VALUE_DIM} value dims into "
+                f"multiples of 64, got {dq_config.dv_split}"
+            )
+        dq_kernel, dq_extra = _sparse_mla_bwd_dq_split_kernel, dict(DV_SPLIT=dq_config.dv_split)
+        dq_grid_of = lambda c: (triton.cdiv(heads, c.block_h), tokens, c.dv_split)
     _launch(
-        _sparse_mla_bwd_dq_kernel,
+        dq_kernel,
         None if dq_config is not None else ("dq", *flags),
         [dq_config] if dq_config is not None else dq_configs(heads),
-        grid_of,
+        dq_grid_of,
         q,
         kv,
         ids,
@@ -334,6 +445,7 @@ def sparse_mla_backward(
         float(softmax_scale),
         float(softmax_scale) * LOG2E,
         **common,
+        **dq_extra,
     )
     _launch(
         _sparse_mla_bwd_dkv_kernel,
