@@ -12,20 +12,9 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
+from sa_kernels.triton_dot import fp32_dot
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with FP32 accumulation; IEEE: exact FP32 products; UPCAST: widen 16-bit operands first
-    (Triton's interpreter multiplies bf16 bit patterns as integers; the widened products are exact)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -74,14 +63,14 @@ def _gather_fwd_kernel(
         kv_mask = w_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), IEEE, UPCAST)
+        s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
         s = tl.where(w_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of repeats only
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = _mm(p.to(v.dtype), v, IEEE, UPCAST)
+        pv = fp32_dot(p.to(v.dtype), v, IEEE, UPCAST)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     nonempty = l_i > 0
@@ -164,14 +153,14 @@ def _gather_bwd_kernel(
         kv_mask = w_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _mm(q, tl.trans(k), IEEE, UPCAST)
-        dp = _mm(do, tl.trans(v), IEEE, UPCAST)
+        s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+        dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
         p = tl.exp2(s * scale_log2 - lse[:, None])
         p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
         ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, IEEE, UPCAST)
-        dk = _mm(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
-        dv = _mm(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+        dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
+        dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+        dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
         row = ids[:, None] * stride_dks + offs_d[None, :]
         tl.atomic_add(dk_base + row, dk * scale, mask=kv_mask, sem="relaxed")
         tl.atomic_add(dv_base + row, dv, mask=kv_mask, sem="relaxed")

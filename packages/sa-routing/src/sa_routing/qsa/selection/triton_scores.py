@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
+from sa_kernels.triton_dot import fp32_dot
 
 _BLOCK_M, _BLOCK_N, _NUM_WARPS = 128, 128, 8
 """The one compiled configuration for 16-bit operands (H200: 4 × [128, 128] × [128, 128] BF16 dots per program)."""
@@ -29,18 +30,6 @@ _FP32_BLOCK_M, _FP32_BLOCK_N, _FP32_BLOCK_K, _FP32_NUM_WARPS = 64, 64, 32, 4
 unrolls into so many FMAs that Triton took 68 s to compile it on the H200."""
 _INTERPRET_BLOCK_M, _INTERPRET_BLOCK_N = 32, 16
 """Small tiles under the interpreter, so that small test shapes still span several tiles."""
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with FP32 accumulation; IEEE: exact FP32 products (FP32 inputs); UPCAST: widen 16-bit
-    operands first (Triton's interpreter multiplies BF16 dot operands wrongly; widened products are exact)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit(do_not_specialize=["rows", "columns", "first_position"])
@@ -94,7 +83,7 @@ def _qsa_scores_kernel(
                     mask=r_ok[:, None] & d_ok[None, :],
                     other=0.0,
                 )
-                score += tl.maximum(_dot(q, keys_t, IEEE, UPCAST), 0.0)
+                score += tl.maximum(fp32_dot(q, keys_t, IEEE, UPCAST), 0.0)
         else:  # FP32 operands: exact products are long to compile, so a loop over head-dim slices
             for h in tl.static_range(HEADS):
                 head = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -109,7 +98,7 @@ def _qsa_scores_kernel(
                         mask=r_ok[:, None] & d_ok[None, :],
                         other=0.0,
                     )
-                    head += _dot(q, keys_t, IEEE, UPCAST)
+                    head += fp32_dot(q, keys_t, IEEE, UPCAST)
                 score += tl.maximum(head, 0.0)
         score = score * scale
         visible = (first_position + r + 1) // compress_ratio
