@@ -134,3 +134,15 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
     for tile in (1024, 4096):
         assert torch.equal(stable_topk_rows(scores, k, _output_tile=tile), got), tile
+
+
+def test_workspace_bytes_follow_the_path_that_runs():
+    """Zero where the kernel reads the scores in place; the PyTorch path's keys and mask elsewhere."""
+    from sa_kernels.stable_topk import TRITON_MAX_ROW, stable_topk_workspace_bytes
+
+    assert stable_topk_workspace_bytes(TRITON_MAX_ROW, torch.float32, "cuda") == 0
+    assert stable_topk_workspace_bytes(100, torch.bfloat16, "cuda") == 0
+    torch_path = stable_topk_workspace_bytes(100, torch.float32, "cpu")
+    assert torch_path >= 5  # int32 keys and a boolean mask at least
+    assert stable_topk_workspace_bytes(TRITON_MAX_ROW + 1, torch.float32, "cuda") == torch_path
+    assert stable_topk_workspace_bytes(100, torch.float64, "cuda") == torch_path

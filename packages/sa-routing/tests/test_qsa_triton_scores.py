@@ -195,7 +195,7 @@ def test_triton_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch
     assert torch.equal(routes, expected)
     assert len(scored) > 10
     assert all(
-        rows * blocks * chunked.triton_bytes_per_score(blocks, on_cuda=False) <= budget_bytes
+        rows * blocks * chunked.triton_bytes_per_score(blocks, torch.device("cpu")) <= budget_bytes
         for rows, blocks in scored
     )
 

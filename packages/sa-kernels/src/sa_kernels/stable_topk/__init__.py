@@ -2,9 +2,9 @@
 
 import torch
 
-from sa_kernels.backend import resolve_backend
+from sa_kernels.backend import has_triton, resolve_backend
 
-__all__ = ["TRITON_MAX_ROW", "stable_topk"]
+__all__ = ["TRITON_MAX_ROW", "stable_topk", "stable_topk_workspace_bytes"]
 
 TRITON_MAX_ROW = 32768
 """Longest row the Triton kernel holds in registers; longer rows take the PyTorch path."""
@@ -16,6 +16,22 @@ _INT32_MIN = torch.iinfo(torch.int32).min
 
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_PATH_BYTES_PER_ENTRY = 12
+"""The PyTorch path's temporaries per score entry: int32 tie keys (4), a boolean mask (1), and room
+for the scratch of its two `torch.topk` passes."""
+
+
+def _runs_kernel(resolved: str, dtype: torch.dtype, n: int) -> bool:
+    """Whether the Triton kernel (not the PyTorch path) takes rows of n entries of dtype."""
+    return resolved == "triton" and dtype in _TRITON_DTYPES and n <= TRITON_MAX_ROW
+
+
+def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """Temporary bytes per score entry that `stable_topk` (backend "auto") allocates for rows of `n`
+    entries of `dtype` on `device`: 0 on the Triton kernel path (it reads the scores in place), else
+    the PyTorch path's int32 keys, mask and top-k scratch. For callers that size chunks of scores."""
+    resolved = "triton" if torch.device(device).type == "cuda" and has_triton() else "reference"
+    return 0 if _runs_kernel(resolved, dtype, n) else _TORCH_PATH_BYTES_PER_ENTRY
 
 
 def stable_topk(
@@ -69,15 +85,13 @@ def stable_topk(
         raise ValueError(f"{fn}: k must lie in [0, {n}] (scores.shape[{dim}]); got {k}")
     if n >= _TIE_BASE:
         raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
-    use_triton = resolve_backend(fn, backend, scores) == "triton"
-    if use_triton:
-        fits = scores.dtype in _TRITON_DTYPES and n <= TRITON_MAX_ROW
-        if backend == "triton" and not fits:
-            raise ValueError(
-                f"{fn}: backend='triton' needs float32/bfloat16/float16 rows of at most {TRITON_MAX_ROW} "
-                f"entries; got {scores.dtype} rows of {n}"
-            )
-        use_triton = fits
+    resolved = resolve_backend(fn, backend, scores)
+    use_triton = _runs_kernel(resolved, scores.dtype, n)
+    if backend == "triton" and not use_triton:
+        raise ValueError(
+            f"{fn}: backend='triton' needs float32/bfloat16/float16 rows of at most {TRITON_MAX_ROW} "
+            f"entries; got {scores.dtype} rows of {n}"
+        )
     with torch.no_grad():
         last = scores.detach().movedim(dim, -1)
         if k == 0:

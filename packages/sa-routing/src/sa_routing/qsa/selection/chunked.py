@@ -24,7 +24,7 @@ import torch
 
 from sa_kernels import stable_topk
 from sa_kernels.backend import resolve_backend
-from sa_kernels.stable_topk import TRITON_MAX_ROW
+from sa_kernels.stable_topk import stable_topk_workspace_bytes
 
 from .reference import qsa_block_scores
 
@@ -34,19 +34,12 @@ SCORE_TEMP_BUDGET_BYTES = 256 * 1024 * 1024
 _TEMP_BYTES_PER_SCORE = 24
 """Upper bound of the temporaries alive per scored (row, block): FP64 sum and head product while
 scoring (16), then FP32 scores, int32 top-k keys and a boolean mask while selecting (< 16)."""
-_TRITON_TEMP_BYTES_PER_SCORE = 4
-"""The same bound on the Triton path, where `stable_topk`'s kernel reads the FP32 scores in place."""
-_TRITON_LONG_ROW_TEMP_BYTES_PER_SCORE = 16
-"""Rows `stable_topk`'s kernel does not take (longer rows; CPU tensors) go through its PyTorch path:
-FP32 scores, int32 keys, a boolean mask (9), with room for its top-k passes' scratch."""
 
 
-def triton_bytes_per_score(columns: int, on_cuda: bool) -> int:
-    """Temporary bytes per scored (row, block) on the Triton path for rows of `columns` blocks:
-    `stable_topk` runs its kernel on CUDA rows of up to `TRITON_MAX_ROW`, its PyTorch path otherwise."""
-    if on_cuda and columns <= TRITON_MAX_ROW:
-        return _TRITON_TEMP_BYTES_PER_SCORE
-    return _TRITON_LONG_ROW_TEMP_BYTES_PER_SCORE
+def triton_bytes_per_score(columns: int, device: torch.device) -> int:
+    """Temporary bytes per scored (row, block) on the Triton path for rows of `columns` blocks: the
+    FP32 score, plus whatever `stable_topk` allocates to select from it."""
+    return 4 + stable_topk_workspace_bytes(columns, torch.float32, device)
 
 
 _TEMP_BYTES_PER_KEPT = 32
@@ -188,9 +181,7 @@ def select_segments(
             continue
         most_visible = (seg.first_position + seg.rows) // c
         bytes_per_score = (
-            triton_bytes_per_score(most_visible, device.type == "cuda")
-            if use_triton
-            else _TEMP_BYTES_PER_SCORE
+            triton_bytes_per_score(most_visible, device) if use_triton else _TEMP_BYTES_PER_SCORE
         )
         chunk = query_chunk_size or _chunk_rows(most_visible, kept, c, bytes_per_score)
         for start in range(dense, seg.rows, chunk):
