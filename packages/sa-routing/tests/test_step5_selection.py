@@ -1,6 +1,5 @@
 """select_regions (tiles, running top-k, composite keys) against the plain PyTorch oracle."""
 
-import dataclasses
 import zlib
 
 import pytest
@@ -188,22 +187,13 @@ def test_real_valued_scores_select_the_oracle_ids_up_to_fp32_near_ties() -> None
     assert differing <= 2
 
 
-@pytest.mark.parametrize(
-    "last_first_known",
-    [True, False],
-    ids=["document-bound-from-metadata", "document-bound-unknown"],
-)
-def test_tiles_spanning_documents_never_select_an_earlier_documents_regions(
-    last_first_known: bool,
-) -> None:
+def test_tiles_spanning_documents_never_select_an_earlier_documents_regions() -> None:
     # one merged tile holds the sparse tails of documents A and B; A's regions score highest for
     # every query, so any unmasked column of A in B's rows would be chosen
     torch.manual_seed(3)
     region, topk, total = 1, 2, 64
     pos, pad = document_positions([27, 31], total)
     m = region_metadata(pos[None], pad[None], 0, total, region, topk, tile_size=8)
-    if not last_first_known:
-        m = dataclasses.replace(m, score_tile_last_first=())
     regions_a = int(m.token_regions[0, 26]) + 1
     query = torch.rand(1, total, 2, 3, 16).add(0.5).to(torch.bfloat16)
     weights = torch.rand(1, total, 2, 3).add(0.5)

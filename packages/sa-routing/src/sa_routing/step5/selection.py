@@ -139,13 +139,10 @@ def _no_mark(stage: str) -> None:
     return None
 
 
-def _merged_last_first(metadata: RegionMetadata, merged: list[ScoreTile]) -> list[int | None]:
-    """Per merged tile, the largest first region (document start) of its sparse queries, or None
-    when the metadata does not carry it."""
+def _merged_last_first(metadata: RegionMetadata, merged: list[ScoreTile]) -> list[int]:
+    """Per merged tile, the largest first region (document start) of its sparse queries."""
     tiles, last_first = metadata.score_tiles, metadata.score_tile_last_first
-    if len(last_first) != len(tiles):
-        return [None] * len(merged)
-    out: list[int | None] = []
+    out: list[int] = []
     i = 0
     for b, _, q1, _, _ in merged:
         best = -1
@@ -160,7 +157,7 @@ def _mask_non_candidates(
     scores: torch.Tensor,
     metadata: RegionMetadata,
     tile: ScoreTile,
-    last_first: int | None,
+    last_first: int,
     c0: int,
     c1: int,
 ) -> None:
@@ -178,7 +175,7 @@ def _mask_non_candidates(
         current = metadata.current[b, q0:q1].view(1, -1, 1)
         cols = slice(upper - c0, None)
         scores[..., cols].masked_fill_(region[cols] >= current, float("-inf"))
-    lower = c1 if last_first is None else min(c1, last_first)
+    lower = min(c1, last_first)
     if lower > c0:
         first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
         cols = slice(None, lower - c0)
@@ -191,7 +188,7 @@ def _tile_topk(
     summary: torch.Tensor,
     metadata: RegionMetadata,
     tile: ScoreTile,
-    last_first: int | None,
+    last_first: int,
     region_chunk: int,
     method: str,
     backend: str,
