@@ -382,7 +382,7 @@ def test_auto_picks_flex_for_clustered_and_gather_for_scattered_routes_on_cuda(r
     clustered_mask = build_route_block_mask(clustered, 384, 4, build_flex=None)
     scattered_mask = build_route_block_mask(scattered, 384, 4, build_flex=None)
     assert clustered_mask.occupancy >= FLEX_MIN_OCCUPANCY > scattered_mask.occupancy
-    h200 = {"capability": (9, 0)}
+    h200 = {"dtype": torch.bfloat16, "head_dim": 128, "capability": (9, 0)}
     assert auto_backend(clustered_mask, cuda, **h200) == "flex"
     assert auto_backend(scattered_mask, cuda, **h200) == "gather"
     # A scattered mask built with its Flex BlockMask anyway still runs gather under auto.
@@ -391,7 +391,7 @@ def test_auto_picks_flex_for_clustered_and_gather_for_scattered_routes_on_cuda(r
     # A gather-only build has no tile statistics: auto runs gather and never syncs for them.
     gather_only = build_route_block_mask(clustered, 384, 4, build_flex=False)
     assert auto_backend(gather_only, cuda, **h200) == "gather" and gather_only.statistics is None
-    assert auto_backend(clustered_mask, "cpu") == "reference"
+    assert auto_backend(clustered_mask, "cpu", dtype=torch.bfloat16, head_dim=128) == "reference"
 
 
 @pytest.mark.parametrize(

@@ -136,8 +136,8 @@ def auto_backend(
     block_mask: RouteBlockMask,
     device: torch.device | str,
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    head_dim: int = 128,
+    dtype: torch.dtype,
+    head_dim: int,
     capability: tuple[int, int] | None = None,
 ) -> str:
     """The backend `backend="auto"` runs for these routes: "reference", "flex" or "gather".
@@ -149,8 +149,8 @@ def auto_backend(
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
     its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 (shared or per-KV-group routes) or
     256 (shared routes), a GPU whose compute capability is in FLEX_TESTED_CAPABILITIES (`capability`;
-    default: the device's own). Decided from
-    host numbers the build already holds: no device sync per call.
+    default: the device's own). `dtype` and `head_dim` are the query's. Decided from host numbers
+    the build already holds: no device sync per call.
     """
     if torch.device(device).type != "cuda":
         return "reference"
