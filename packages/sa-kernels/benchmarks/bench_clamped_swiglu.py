@@ -14,19 +14,13 @@ import argparse
 import json
 
 import torch
+from baselines import copy_bandwidth_gbps
 from triton.testing import do_bench
 
 from sa_kernels import clamped_swiglu
 from sa_kernels.clamped_swiglu import reference, triton_kernels
 
 LIMIT = 7.0
-
-
-def copy_bandwidth_gbps(nbytes: int) -> float:
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * nbytes / ms / 1e6
 
 
 def _bench_shape(shape, compiled, copy_gbps: float) -> list[dict]:

@@ -13,17 +13,11 @@ import argparse
 import json
 
 import torch
+from baselines import copy_bandwidth_gbps
 from triton.testing import do_bench
 
 from sa_kernels import pack_region_bitmap
 from sa_kernels.region_bitmap import reference, triton_kernels
-
-
-def copy_bandwidth_gbps(nbytes: int) -> float:
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * nbytes / ms / 1e6
 
 
 def sorted_ids(shape, regions: int) -> torch.Tensor:

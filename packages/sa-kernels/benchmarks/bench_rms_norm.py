@@ -11,6 +11,7 @@ import argparse
 import json
 
 import torch
+from baselines import copy_bandwidth_gbps
 from triton.testing import do_bench
 
 from sa_kernels import grouped_rms_norm, layer_norm_e2, rms_norm
@@ -18,13 +19,6 @@ from sa_kernels.layer_norm import reference as layer_norm_reference
 from sa_kernels.rms_norm import reference
 
 EPS = 1e-5
-
-
-def copy_bandwidth_gbps(nbytes: int) -> float:
-    src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * nbytes / ms / 1e6
 
 
 def _fwd_bwd_ms(fn, x, w, grad) -> tuple[float, float]:
