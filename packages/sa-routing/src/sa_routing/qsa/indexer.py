@@ -172,7 +172,10 @@ class QSAIndexer(nn.Module):
             freqs_cis: [batch or 1, local_sequence, r]: `cat(cos, sin)` at each local token's position
                 (document-relative when packed).
             attention_mask: [batch, sequence] right-padding mask (1 = token), or None. Without context
-                parallelism only; under it the global mask lives in `cp_context`.
+                parallelism only; under it the global mask lives in `cp_context`. Reading a mask costs
+                one host sync per call: a model with many indexer layers builds
+                `QSAContextParallel.create(sequence, attention_mask=mask)` (a single rank) once per
+                forward and passes it to every layer as `cp_context` instead.
             cp_context: this rank's shard; compressed keys are all-gathered without gradient and
                 row `i` is global position `local_start + i`.
             cu_seqlens: packed documents (batch 1), int [documents + 1]. Without context parallelism
