@@ -4,7 +4,7 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
-`--sweep` also times warp counts × output-phase tiles (`OUTPUT_TILE`; 0 = whole row) per shape, checks
+`--sweep` also times warp counts × radix digit widths (`LaunchConfig`) per shape, checks
 each against the PyTorch path, and prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
@@ -17,9 +17,13 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import stable_topk
-from sa_kernels.stable_topk.triton_kernels import OUTPUT_TILE, default_num_warps, stable_topk_rows
+from sa_kernels.stable_topk.triton_kernels import LaunchConfig, default_config, stable_topk_rows
 
 SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048, 64)]
+
+
+def _label(config: LaunchConfig) -> str:
+    return f"tile{config.output_tile}-warps{config.num_warps}-bits{config.digit_bits}"
 
 
 def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
@@ -45,19 +49,17 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         block = max(16, 1 << (n - 1).bit_length())
         expected = stable_topk(scores, k, backend="reference")
         timings = {}
-        for tile in (0, 1024, 2048, 4096):
-            for warps in (4, 8, 16, 32):
-                got = stable_topk_rows(scores, k, _num_warps=warps, _output_tile=tile)
-                assert torch.equal(got, expected), (tile, warps)
-                timings[f"tile{tile}-warps{warps}"] = do_bench(
-                    lambda w=warps, t=tile: stable_topk_rows(
-                        scores, k, _num_warps=w, _output_tile=t
-                    ),
-                    rep=50,
+        tile = 2048 if block > 2048 else 0
+        for warps in (4, 8, 16):
+            for digit_bits in (1, 2, 4, 8):
+                config = LaunchConfig(warps, tile, digit_bits)
+                assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
+                timings[_label(config)] = do_bench(
+                    lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50
                 )
         row.update(
             sweep_ms=timings,
-            default=f"tile{OUTPUT_TILE}-warps{default_num_warps(block)}",
+            default=_label(default_config(block)),
             best=min(timings, key=timings.get),
         )
     return row

@@ -5,7 +5,7 @@ import torch
 
 from sa_kernels import stable_topk
 from sa_kernels.stable_topk import reference
-from sa_kernels.stable_topk.triton_kernels import stable_topk_rows
+from sa_kernels.stable_topk.triton_kernels import LaunchConfig, stable_topk_rows
 
 
 def _tied_scores(shape, dtype, seed, device="cpu"):
@@ -80,8 +80,11 @@ def test_triton_rows_equal_the_stable_sort_across_block_sizes(n, k):
     scores[3] = scores[3].round()  # ties between distinct positions
     expected = reference.stable_topk(scores, k)
     assert torch.equal(stable_topk(scores, k, backend="triton"), expected)
-    for tile in (16, 256):
-        assert torch.equal(stable_topk_rows(scores, k, _output_tile=tile), expected), tile
+    for config in (LaunchConfig(output_tile=16), LaunchConfig(output_tile=256, digit_bits=4)):
+        assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
+    for digit_bits in (1, 2, 4, 8):  # one-bit counts and histogram digits, early stop included
+        config = LaunchConfig(digit_bits=digit_bits)
+        assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
 
 
 def test_triton_backend_refuses_rows_longer_than_a_program_holds():
@@ -132,8 +135,9 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     got = stable_topk(scores, k, backend="triton")
     assert torch.equal(got, reference.stable_topk(scores, k))
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
-    for tile in (1024, 4096):
-        assert torch.equal(stable_topk_rows(scores, k, _output_tile=tile), got), tile
+    configs = [LaunchConfig(8, tile, bits) for tile in (0, 1024) for bits in (1, 2, 4, 8)]
+    for config in configs:
+        assert torch.equal(stable_topk_rows(scores, k, _config=config), got), config
 
 
 def test_workspace_bytes_follow_the_path_that_runs():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from sa_kernels import stable_topk  # noqa: E402
 from sa_kernels.stable_topk import reference  # noqa: E402
-from sa_kernels.stable_topk.triton_kernels import stable_topk_rows  # noqa: E402
+from sa_kernels.stable_topk.triton_kernels import LaunchConfig, stable_topk_rows  # noqa: E402
 
 SPECIALS = [0.0, -0.0, float("-inf"), float("inf"), 1e-38, -1e-38, 3.0e38, -3.0e38]
 
@@ -31,9 +31,14 @@ def rows_and_k(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=rows_and_k(), output_tile=st.sampled_from([0, 16, 64]))
-def test_every_path_equals_the_stable_sort(case, output_tile):
+@given(
+    case=rows_and_k(),
+    output_tile=st.sampled_from([0, 16, 64]),
+    digit_bits=st.sampled_from([1, 2, 4, 8]),
+)
+def test_every_path_equals_the_stable_sort(case, output_tile, digit_bits):
     scores, k = case
     expected = reference.stable_topk(scores, k)
     assert torch.equal(stable_topk(scores, k, backend="reference"), expected)
-    assert torch.equal(stable_topk_rows(scores, k, _output_tile=output_tile), expected)
+    config = LaunchConfig(output_tile=output_tile, digit_bits=digit_bits)
+    assert torch.equal(stable_topk_rows(scores, k, _config=config), expected)

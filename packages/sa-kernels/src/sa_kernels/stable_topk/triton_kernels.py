@@ -2,13 +2,17 @@
 
 One program owns one row. It loads the row once into registers as 32-bit keys whose unsigned order is
 the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below everything). The k-th best key
-`t` is built bit by bit from the top: a candidate bit stays set when at least k keys reach the
-candidate. Then every key above `t` is kept, and of the keys equal to `t` the first `k - #above`
-positions (an exclusive prefix count). A prefix count over the kept mask gives each kept position
-its output slot, so positions come out ascending without a sort: over the whole row at once from the
-registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts carried between tiles.
-One or two reads of the row, k writes, no workspace in memory, no host sync.
+`t` is built from the top, one digit of `DIGIT_BITS` bits per step: one bit by counting the keys that
+reach a candidate, or several bits from a histogram of the digit over the keys that still match the
+digits chosen so far. The walk stops early once exactly k keys reach the prefix chosen so far (then
+they are the answer and no key ties at the threshold). Then every key above `t` is kept, and of the keys
+equal to `t` the first `k - #above` positions (an exclusive prefix count). A prefix count over the kept
+mask gives each kept position its output slot, so positions come out ascending without a sort: over the
+whole row at once from the registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts
+carried between tiles. One or two reads of the row, k writes, no workspace in memory, no host sync.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,6 +32,41 @@ def _order_keys(scores_ptr, offsets, n):
 
 
 @triton.jit
+def _kth_key(keys, k, DIGIT_BITS: tl.constexpr):
+    """The k-th largest key, or (early stop) a prefix reached by exactly k keys and tied by none.
+
+    Invariant per step: `above` keys lie above every key matching `prefix` on the bits chosen so far,
+    `above < k <= above + #matching`.
+    """
+    DIGITS: tl.constexpr = 1 << DIGIT_BITS
+    prefix = tl.zeros([], dtype=tl.uint32)
+    above = tl.zeros([], dtype=tl.int32)
+    searching = above == 0  # a scalar True; False once exactly k keys reach `prefix`
+    for step in tl.static_range(32 // DIGIT_BITS):
+        shift = 32 - DIGIT_BITS * (step + 1)
+        if searching:
+            if DIGIT_BITS == 1:
+                candidate = prefix | (1 << shift)
+                reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+                prefix = tl.where(reaching >= k, candidate, prefix)
+                searching = reaching != k
+            else:
+                digit = ((keys >> shift) & (DIGITS - 1)).to(tl.int32)
+                if step > 0:  # keys off the chosen prefix go to an overflow bin
+                    matching = (keys >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS))
+                    digit = tl.where(matching, digit, DIGITS)
+                bins = tl.arange(0, 2 * DIGITS)
+                counts = tl.where(bins < DIGITS, tl.histogram(digit, 2 * DIGITS), 0)
+                # reaching[d] = keys at or above prefix | d << shift
+                reaching = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+                chosen = tl.max(tl.where((reaching >= k) & (bins < DIGITS), bins, 0), axis=0)
+                above += tl.sum(tl.where(bins > chosen, counts, 0), axis=0)
+                prefix = prefix | (chosen.to(tl.uint32) << shift)
+                searching = tl.sum(tl.where(bins == chosen, reaching, 0), axis=0) != k
+    return prefix
+
+
+@triton.jit
 def _stable_topk_kernel(
     scores_ptr,
     out_ptr,
@@ -37,20 +76,14 @@ def _stable_topk_kernel(
     stride_out,
     BLOCK_N: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_scores = scores_ptr + row * stride_row
     row_out = out_ptr + row * stride_out
     offsets = tl.arange(0, BLOCK_N)
     keys = _order_keys(row_scores, offsets, n)
-
-    threshold = tl.zeros([], dtype=tl.uint32)
-    bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
-        candidate = threshold | bit
-        reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-        threshold = tl.where(reaching >= k, candidate, threshold)
-        bit = bit >> 1
+    threshold = _kth_key(keys, k, DIGIT_BITS)
 
     still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
@@ -76,38 +109,36 @@ def _stable_topk_kernel(
             kept_seen += tl.sum(kept.to(tl.int32), axis=0)
 
 
-# A variant resolving 2 or 4 bits per step (one reduction over [digits, n] per step) measured slower on
-# the H200 at every warp count (2026-11-29: [2048, 16384] best 0.64 ms vs 0.46 ms here), so one bit it is.
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How a row maps onto one program; every config returns the same positions.
+
+    num_warps: warps per program (row).
+    output_tile: 0 = the output phase's prefix sums over the whole row from registers; a power of two =
+        re-read the row in tiles of that many entries (fewer live registers).
+    digit_bits: radix digit resolved per step (1, 2, 4 or 8); more bits, fewer steps over the row.
+    """
+
+    num_warps: int = 4
+    output_tile: int = 0
+    digit_bits: int = 1
 
 
-def default_num_warps(block: int) -> int:
-    """The H200 sweep's best (`bench_stable_topk.py --sweep`, 2026-11-29): 4 warps up to 4096 entries,
-    8 up to 16384, 32 for 32768."""
-    if block <= 4096:
-        return 4
-    return 8 if block <= 16384 else 32
-
-
-OUTPUT_TILE = 0
-"""Output phase: 0 computes the whole row's prefix sums from the registers (measured on the H200);
-a power of two re-reads the row in tiles of that many entries (fewer live registers: ptxas reports
-255 registers and 232 bytes of spills at 16384 entries × 8 warps for 0, none for 2048; not yet
-timed on a GPU, so `bench_stable_topk.py --sweep` includes it)."""
+def default_config(block: int) -> LaunchConfig:
+    """The H200 sweep's best (`bench_stable_topk.py --sweep`, 2026-11-29 18:29 UTC): 4 warps, and the
+    output phase in 2048-entry tiles above 2048 entries (32768: 0.944 ms vs 1.533 for the previous
+    whole-row 32-warp default; 16384: 0.376 vs 0.461; 4096: 0.169 vs 0.179)."""
+    return LaunchConfig(num_warps=4, output_tile=2048 if block > 2048 else 0)
 
 
 def stable_topk_rows(
-    scores: torch.Tensor,
-    k: int,
-    *,
-    _num_warps: int | None = None,
-    _output_tile: int | None = None,
+    scores: torch.Tensor, k: int, *, _config: LaunchConfig | None = None
 ) -> torch.Tensor:
     """`stable_topk` of every row of `scores` (no validation: internal).
 
     Args:
         scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= TRITON_MAX_ROW`.
-        _num_warps, _output_tile: override the launch's warps and `OUTPUT_TILE` (benchmark sweeps;
-            the result does not change).
+        _config: override the launch (benchmark sweeps; the result does not change).
     Returns:
         int64 [rows, k], ascending positions per row.
     """
@@ -116,6 +147,7 @@ def stable_topk_rows(
     if rows == 0:
         return out
     block = max(16, triton.next_power_of_2(n))
+    config = _config or default_config(block)
     _stable_topk_kernel[(rows,)](
         scores,
         out,
@@ -124,7 +156,8 @@ def stable_topk_rows(
         scores.stride(0),
         out.stride(0),
         BLOCK_N=block,
-        OUTPUT_TILE=OUTPUT_TILE if _output_tile is None else min(_output_tile, block),
-        num_warps=_num_warps or default_num_warps(block),
+        OUTPUT_TILE=min(config.output_tile, block),
+        DIGIT_BITS=config.digit_bits,
+        num_warps=config.num_warps,
     )
     return out
