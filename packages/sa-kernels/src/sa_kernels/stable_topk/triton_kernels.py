@@ -36,33 +36,36 @@ def _kth_key(keys, k, DIGIT_BITS: tl.constexpr):
     """The k-th largest key, or (early stop) a prefix reached by exactly k keys and tied by none.
 
     Invariant per step: `above` keys lie above every key matching `prefix` on the bits chosen so far,
-    `above < k <= above + #matching`.
+    `above < k <= above + #matching`. A runtime loop, not an unrolled one: the row's registers are
+    many, and 32 inlined copies of the step made compilation take minutes at 32768 entries.
     """
     DIGITS: tl.constexpr = 1 << DIGIT_BITS
     prefix = tl.zeros([], dtype=tl.uint32)
     above = tl.zeros([], dtype=tl.int32)
-    searching = above == 0  # a scalar True; False once exactly k keys reach `prefix`
-    for step in tl.static_range(32 // DIGIT_BITS):
-        shift = 32 - DIGIT_BITS * (step + 1)
-        if searching:
-            if DIGIT_BITS == 1:
-                candidate = prefix | (1 << shift)
-                reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-                prefix = tl.where(reaching >= k, candidate, prefix)
-                searching = reaching != k
-            else:
-                digit = ((keys >> shift) & (DIGITS - 1)).to(tl.int32)
-                if step > 0:  # keys off the chosen prefix go to an overflow bin
-                    matching = (keys >> (shift + DIGIT_BITS)) == (prefix >> (shift + DIGIT_BITS))
-                    digit = tl.where(matching, digit, DIGITS)
-                bins = tl.arange(0, 2 * DIGITS)
-                counts = tl.where(bins < DIGITS, tl.histogram(digit, 2 * DIGITS), 0)
-                # reaching[d] = keys at or above prefix | d << shift
-                reaching = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-                chosen = tl.max(tl.where((reaching >= k) & (bins < DIGITS), bins, 0), axis=0)
-                above += tl.sum(tl.where(bins > chosen, counts, 0), axis=0)
-                prefix = prefix | (chosen.to(tl.uint32) << shift)
-                searching = tl.sum(tl.where(bins == chosen, reaching, 0), axis=0) != k
+    shift = tl.full([], 32 - DIGIT_BITS, tl.int32)
+    searching = shift >= 0  # a scalar True; False once exactly k keys reach `prefix`
+    while searching:
+        if DIGIT_BITS == 1:
+            candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
+            reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+            prefix = tl.where(reaching >= k, candidate, prefix)
+            exact = reaching == k
+        else:
+            # the digit of keys that match the prefix above it (the prefix is zero from `shift` down);
+            # other keys go to an overflow bin
+            digit = ((keys >> shift.to(tl.uint32)) & (DIGITS - 1)).to(tl.int32)
+            matching = ((keys ^ prefix) >> shift.to(tl.uint32)) < DIGITS
+            bins = tl.arange(0, 2 * DIGITS)
+            counts = tl.histogram(tl.where(matching, digit, DIGITS), 2 * DIGITS)
+            counts = tl.where(bins < DIGITS, counts, 0)
+            # reaching[d] = keys at or above prefix | d << shift
+            reaching = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
+            chosen = tl.max(tl.where((reaching >= k) & (bins < DIGITS), bins, 0), axis=0)
+            above += tl.sum(tl.where(bins > chosen, counts, 0), axis=0)
+            prefix = prefix | (chosen.to(tl.uint32) << shift.to(tl.uint32))
+            exact = tl.sum(tl.where(bins == chosen, reaching, 0), axis=0) == k
+        shift -= DIGIT_BITS
+        searching = (shift >= 0) & (exact == 0)
     return prefix
 
 
