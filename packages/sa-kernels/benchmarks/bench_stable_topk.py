@@ -4,7 +4,7 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
-`--sweep` also times warp counts × radix digit widths (`LaunchConfig`) per shape, checks
+`--sweep` also times warp counts × prefilter widths (`LaunchConfig`) per shape, checks
 each against the PyTorch path, and prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
@@ -23,7 +23,7 @@ SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048
 
 
 def _label(config: LaunchConfig) -> str:
-    return f"tile{config.output_tile}-warps{config.num_warps}-bits{config.digit_bits}"
+    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{config.prefilter}"
 
 
 def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
@@ -51,8 +51,8 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         timings = {}
         tile = 2048 if block > 2048 else 0
         for warps in (4, 8, 16):
-            for digit_bits in (1, 2, 4, 8):
-                config = LaunchConfig(warps, tile, digit_bits)
+            for prefilter in (0, 1024, 2048):
+                config = LaunchConfig(warps, tile, prefilter)
                 assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
                 timings[_label(config)] = do_bench(
                     lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50

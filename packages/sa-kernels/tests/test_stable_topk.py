@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 
 from sa_kernels import stable_topk
 from sa_kernels.stable_topk import reference
@@ -80,10 +81,38 @@ def test_triton_rows_equal_the_stable_sort_across_block_sizes(n, k):
     scores[3] = scores[3].round()  # ties between distinct positions
     expected = reference.stable_topk(scores, k)
     assert torch.equal(stable_topk(scores, k, backend="triton"), expected)
-    for config in (LaunchConfig(output_tile=16), LaunchConfig(output_tile=256, digit_bits=4)):
+    for config in (LaunchConfig(output_tile=16), LaunchConfig(output_tile=256, prefilter=64)):
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
-    for digit_bits in (1, 2, 4, 8):  # one-bit counts and histogram digits, early stop included
-        config = LaunchConfig(digit_bits=digit_bits)
+
+
+def _narrowed_rows(scores: torch.Tensor, k: int, maxima: int) -> torch.Tensor:
+    """Which rows the prefilter narrows (at most 2k keys reach the k-th largest strided group maximum)
+    instead of falling back to the whole-row walk (the kernel's rule, restated on the scores)."""
+    block = triton.next_power_of_2(scores.shape[-1])
+    padded = torch.nn.functional.pad(
+        scores.float(), (0, block - scores.shape[-1]), value=-torch.inf
+    )
+    bound = padded.view(len(scores), -1, maxima).amax(1).topk(k, -1).values[:, -1:]
+    return (scores.float() >= bound).sum(-1) <= 2 * k
+
+
+@pytest.mark.parametrize(("n", "k", "maxima"), [(300, 17, 64), (1000, 3, 16), (4100, 200, 512)])
+def test_prefilter_narrowed_and_fallback_rows_equal_the_stable_sort(n, k, maxima):
+    """Random rows (narrowed), rows sorted ascending (their best keys clustered at the end), rows with
+    few distinct values (more survivors than slots: the whole-row walk), -inf halves, signed zeros."""
+    generator = torch.Generator().manual_seed(n)
+    scores = torch.randn(6, n, generator=generator)
+    scores[1] = scores[1].sort().values
+    scores[2] = torch.randint(-2, 2, (n,), generator=generator).float()
+    scores[3, : n // 2] = float("-inf")
+    scores[4] = 0.0
+    scores[4, ::3] = -0.0
+    scores[5, 7] = 5.0
+    narrowed = _narrowed_rows(scores, k, maxima)
+    assert narrowed.any() and not narrowed.all(), narrowed  # both branches run
+    expected = reference.stable_topk(scores, k)
+    for tile in (0, 64):
+        config = LaunchConfig(output_tile=tile, prefilter=maxima)
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
 
 
@@ -135,7 +164,7 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     got = stable_topk(scores, k, backend="triton")
     assert torch.equal(got, reference.stable_topk(scores, k))
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
-    configs = [LaunchConfig(8, 1024, bits) for bits in (1, 2, 4, 8)]
+    configs = [LaunchConfig(8, 1024, maxima) for maxima in (0, 1024)]
     for config in configs:
         assert torch.equal(stable_topk_rows(scores, k, _config=config), got), config
 

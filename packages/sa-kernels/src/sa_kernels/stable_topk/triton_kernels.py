@@ -2,14 +2,20 @@
 
 One program owns one row. It loads the row once into registers as 32-bit keys whose unsigned order is
 the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below everything). The k-th best key
-`t` is built from the top, one digit of `DIGIT_BITS` bits per step: one bit by counting the keys that
-reach a candidate, or several bits from a histogram of the digit over the keys that still match the
-digits chosen so far. The walk stops early once exactly k keys reach the prefix chosen so far (then
-they are the answer and no key ties at the threshold). Then every key above `t` is kept, and of the keys
-equal to `t` the first `k - #above` positions (an exclusive prefix count). A prefix count over the kept
-mask gives each kept position its output slot, so positions come out ascending without a sort: over the
-whole row at once from the registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts
-carried between tiles. One or two reads of the row, k writes, no workspace in memory, no host sync.
+`t` is built bit by bit from the top: a candidate bit stays set when at least k keys reach the
+candidate; the walk stops early once exactly k keys reach the prefix built so far (they are the answer,
+and none ties at it). Then every key above `t` is kept, and of the keys equal to `t` the first
+`k - #above` positions (an exclusive prefix count). A prefix count over the kept mask gives each kept
+position its output slot, so positions come out ascending without a sort: over the whole row at once
+from the registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts carried between
+tiles.
+
+Each step costs a pass over the row's registers, so long rows are first narrowed (`PREFILTER`): the
+maxima of `MAXIMA` strided groups of the row give a bound `b` (the k-th largest maximum; at least k
+keys reach it, so every kept key does), the keys reaching `b` (about 1.4·k on random rows) are
+compacted in position order into the output row's own memory (2k int32 slots), and the walk runs over
+those. A row with more survivors than slots (heavy ties) takes the whole-row walk.
+One or two reads of the row, k writes, no workspace in memory, no host sync.
 """
 
 from dataclasses import dataclass
@@ -32,71 +38,45 @@ def _order_keys(scores_ptr, offsets, n):
 
 
 @triton.jit
-def _kth_key(keys, k, DIGIT_BITS: tl.constexpr):
+def _kth_key(keys, k):
     """The k-th largest key, or (early stop) a prefix reached by exactly k keys and tied by none.
 
-    Invariant per step: `above` keys lie above every key matching `prefix` on the bits chosen so far,
-    `above < k <= above + #matching`. A runtime loop, not an unrolled one: the row's registers are
-    many, and 32 inlined copies of the step made compilation take minutes at 32768 entries.
+    A runtime loop, not an unrolled one: 32 inlined copies of a step over a long row compiled for
+    minutes. (Histograms resolving 2, 4 or 8 bits per step measured slower on the H200 at every row
+    length, 2026-11-29 18:46 UTC, and were dropped.)
     """
-    DIGITS: tl.constexpr = 1 << DIGIT_BITS
     prefix = tl.zeros([], dtype=tl.uint32)
-    above = tl.zeros([], dtype=tl.int32)
-    shift = tl.full([], 32 - DIGIT_BITS, tl.int32)
+    shift = tl.full([], 31, tl.int32)
     searching = shift >= 0  # a scalar True; False once exactly k keys reach `prefix`
     while searching:
-        if DIGIT_BITS == 1:
-            candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
-            reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-            prefix = tl.where(reaching >= k, candidate, prefix)
-            exact = reaching == k
-        else:
-            # the digit of keys that match the prefix above it (the prefix is zero from `shift` down);
-            # other keys go to an overflow bin
-            digit = ((keys >> shift.to(tl.uint32)) & (DIGITS - 1)).to(tl.int32)
-            matching = ((keys ^ prefix) >> shift.to(tl.uint32)) < DIGITS
-            bins = tl.arange(0, 2 * DIGITS)
-            counts = tl.histogram(tl.where(matching, digit, DIGITS), 2 * DIGITS)
-            counts = tl.where(bins < DIGITS, counts, 0)
-            # reaching[d] = keys at or above prefix | d << shift
-            reaching = above + tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-            chosen = tl.max(tl.where((reaching >= k) & (bins < DIGITS), bins, 0), axis=0)
-            above += tl.sum(tl.where(bins > chosen, counts, 0), axis=0)
-            prefix = prefix | (chosen.to(tl.uint32) << shift.to(tl.uint32))
-            exact = tl.sum(tl.where(bins == chosen, reaching, 0), axis=0) == k
-        shift -= DIGIT_BITS
-        searching = (shift >= 0) & (exact == 0)
+        candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
+        reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        prefix = tl.where(reaching >= k, candidate, prefix)
+        shift -= 1
+        searching = (shift >= 0) & (reaching != k)
     return prefix
 
 
 @triton.jit
-def _stable_topk_kernel(
-    scores_ptr,
-    out_ptr,
-    n,
-    k,
-    stride_row,
-    stride_out,
-    BLOCK_N: tl.constexpr,
-    OUTPUT_TILE: tl.constexpr,
-    DIGIT_BITS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_scores = scores_ptr + row * stride_row
-    row_out = out_ptr + row * stride_out
-    offsets = tl.arange(0, BLOCK_N)
-    keys = _order_keys(row_scores, offsets, n)
-    threshold = _kth_key(keys, k, DIGIT_BITS)
-
+def _store_kept(keys, positions, threshold, k, row_out):
+    """Store, ascending, the positions of the keys above `threshold` and of the first keys equal to it,
+    k in all; `keys`/`positions` in position order."""
     still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
+    above = keys > threshold
+    tied = keys == threshold
+    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+    kept = above | (tied & (tied_before < still_needed))
+    slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+    tl.store(row_out + slot, positions.to(tl.int64), mask=kept)
+
+
+@triton.jit
+def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.constexpr):
+    threshold = _kth_key(keys, k)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
-        above = keys > threshold
-        tied = keys == threshold
-        tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
-        kept = above | (tied & (tied_before < still_needed))
-        slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.store(row_out + slot, offsets.to(tl.int64), mask=kept)
+        _store_kept(keys, offsets, threshold, k, row_out)
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
+        still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
         tied_seen = tl.zeros([], dtype=tl.int32)
         kept_seen = tl.zeros([], dtype=tl.int32)
         for start in range(0, n, OUTPUT_TILE):
@@ -112,6 +92,50 @@ def _stable_topk_kernel(
             kept_seen += tl.sum(kept.to(tl.int32), axis=0)
 
 
+@triton.jit
+def _stable_topk_kernel(
+    scores_ptr,
+    out_ptr,
+    slots_ptr,
+    n,
+    k,
+    stride_row,
+    stride_out,
+    BLOCK_N: tl.constexpr,
+    OUTPUT_TILE: tl.constexpr,
+    PREFILTER: tl.constexpr,
+    MAXIMA: tl.constexpr,
+    SURVIVORS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_scores = scores_ptr + row * stride_row
+    row_out = out_ptr + row * stride_out
+    offsets = tl.arange(0, BLOCK_N)
+    keys = _order_keys(row_scores, offsets, n)
+    if PREFILTER:
+        # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
+        maxima = tl.max(tl.reshape(keys, [BLOCK_N // MAXIMA, MAXIMA]), axis=0)
+        bound = _kth_key(maxima, k)
+        survive = keys >= bound
+        survivors = tl.sum(survive.to(tl.int32), axis=0)
+        if survivors <= 2 * k:  # they fit the row's output memory, read as 2k int32 slots
+            row_slots = slots_ptr + row * (2 * stride_out)
+            slot = tl.cumsum(survive.to(tl.int32), axis=0) - 1
+            tl.store(row_slots + slot, offsets, mask=survive)
+            tl.debug_barrier()  # the compacted positions are visible to every thread of the program
+            j = tl.arange(0, SURVIVORS)
+            present = j < survivors
+            positions = tl.load(row_slots + j, mask=present, other=0)
+            narrow_keys = tl.where(present, _order_keys(row_scores, positions, n), 0)
+            threshold = _kth_key(narrow_keys, k)
+            tl.debug_barrier()  # every slot is read before the output overwrites it
+            _store_kept(narrow_keys, positions, threshold, k, row_out)
+        else:
+            _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
+    else:
+        _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """How a row maps onto one program; every config returns the same positions.
@@ -119,19 +143,26 @@ class LaunchConfig:
     num_warps: warps per program (row).
     output_tile: 0 = the output phase's prefix sums over the whole row from registers; a power of two =
         re-read the row in tiles of that many entries (fewer live registers).
-    digit_bits: radix digit resolved per step (1, 2, 4 or 8); more bits, fewer steps over the row.
+    prefilter: 0, or narrow the row before the walk to the keys reaching the k-th largest maximum of
+        this many strided groups (a power of two; it also holds the at most 2k compacted survivors).
+        Applies where the row's block is at least 4× that and `2k <= prefilter`, else ignored.
     """
 
     num_warps: int = 4
     output_tile: int = 0
-    digit_bits: int = 1
+    prefilter: int = 0
 
 
 def default_config(block: int) -> LaunchConfig:
-    """The H200 sweep's best (`bench_stable_topk.py --sweep`, 2026-11-29 18:29 UTC): 4 warps, and the
-    output phase in 2048-entry tiles above 2048 entries (32768: 0.944 ms vs 1.533 for the previous
-    whole-row 32-warp default; 16384: 0.376 vs 0.461; 4096: 0.169 vs 0.179)."""
-    return LaunchConfig(num_warps=4, output_tile=2048 if block > 2048 else 0)
+    """The H200 sweeps' best (`bench_stable_topk.py --sweep`, 2026-11-29): 4 warps, the output phase in
+    2048-entry tiles above 2048 entries (18:29 UTC: 32768 entries 0.944 ms vs 1.533 for the previous
+    whole-row 32-warp default; 16384: 0.376 vs 0.461; 4096: 0.169 vs 0.179), and the prefilter from
+    8192 entries."""
+    return LaunchConfig(
+        num_warps=4,
+        output_tile=2048 if block > 2048 else 0,
+        prefilter=1024 if block >= 8192 else 0,
+    )
 
 
 def stable_topk_rows(
@@ -151,16 +182,21 @@ def stable_topk_rows(
         return out
     block = max(16, triton.next_power_of_2(n))
     config = _config or default_config(block)
+    maxima = config.prefilter
+    prefilter = maxima > 0 and block >= 4 * maxima and 2 * k <= maxima
     _stable_topk_kernel[(rows,)](
         scores,
         out,
+        out.view(torch.int32),
         n,
         k,
         scores.stride(0),
         out.stride(0),
         BLOCK_N=block,
         OUTPUT_TILE=min(config.output_tile, block),
-        DIGIT_BITS=config.digit_bits,
+        PREFILTER=prefilter,
+        MAXIMA=max(maxima, 1),
+        SURVIVORS=max(maxima, 1),
         num_warps=config.num_warps,
     )
     return out
