@@ -38,6 +38,14 @@ def test_triton_matches_reference_and_fills_a_nan_poisoned_out(case, dtype):
 
 
 def _config_id(cfg: dict) -> str:
+    tiles = "m{BLOCK_M}-r{BLOCK_R}".format(**cfg)
+    launch = "w{num_warps}-s{num_stages}".format(**cfg)
+    if cfg.get("KERNEL") == "resident":
+        tma = ("-tma" if cfg["TMA"] else "") + ("-store" if cfg["TMA_STORE"] else "")
+        return f"resident-{tiles}-{launch}-x{cfg['PER_SM']}{tma}"
+    if cfg.get("KERNEL") == "persistent":
+        flat = "-flat" if cfg["FLATTEN"] else ""
+        return f"persistent-{tiles}-d{cfg['BLOCK_D']}-{launch}-x{cfg['PER_SM']}{flat}"
     return "m{BLOCK_M}-r{BLOCK_R}-d{BLOCK_D}-w{num_warps}-s{num_stages}".format(**cfg)
 
 
@@ -58,6 +66,124 @@ def test_launch_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
     )
     assert torch.equal(out, again)
     expected = reference.indexer_score_tile(query, weights, summary, 2, 29)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def _resident(block_m=16, block_r=16, tma=False, store=False, programs=3, warps=4, stages=2):
+    return {
+        "KERNEL": "resident",
+        "BLOCK_M": block_m,
+        "BLOCK_R": block_r,
+        "TMA": tma,
+        "TMA_STORE": store,
+        "PER_SM": 1,
+        "PROGRAMS": programs,
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+# (batch, queries, groups, heads, dim, regions, start, stop, programs): the programs' runs of tiles start and end
+# inside a (batch·group, query block) segment, cross several, or cover everything in one program. TMA stores
+# need R % 4 == 0 (R 36 and 52); R 70 and 17 store through pointers.
+RESIDENT_CASES = [
+    pytest.param((2, 30, 3, 4, 40, 36, 2, 29, 5), id="B2-Q30-G3-H4-D40-R36-q2:29-5programs"),
+    pytest.param((1, 9, 2, 3, 24, 70, 0, 9, 4), id="B1-Q9-G2-H3-D24-R70-pad-heads-4programs"),
+    pytest.param((2, 20, 1, 1, 16, 17, 3, 19, 1), id="B2-Q20-G1-H1-D16-R17-1program"),
+    pytest.param((1, 12, 1, 2, 48, 52, 1, 12, 64), id="B1-Q12-G1-H2-D48-R52-many-programs"),
+]
+
+
+@pytest.mark.parametrize(
+    ("tma", "store"),
+    [(False, False), (True, False), (True, True)],
+    ids=["pointers", "tma", "tma-store"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", RESIDENT_CASES)
+def test_resident_kernel_matches_reference_across_segment_boundaries(case, dtype, tma, store):
+    batch, queries, groups, heads, dim, regions, start, stop, programs = case
+    query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions, dtype, seed=5)
+    out = torch.full((batch, groups, stop - start, regions), float("nan"))
+    cfg = _resident(tma=tma, store=store, programs=programs)
+    triton_kernels.indexer_score_tile(query, weights, summary, start, stop, out, _config=cfg)
+    assert not out.isnan().any()
+    expected = reference.indexer_score_tile(query, weights, summary, start, stop)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "programs", [1, 4, 100], ids=["1program", "4programs", "more-programs-than-tiles"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_persistent_kernel_matches_reference_with_a_grid_stride_over_tiles(dtype, programs):
+    query, weights, summary = _inputs(2, 30, 3, 4, 40, 37, dtype, seed=11)
+    out = torch.full((2, 3, 27, 37), float("nan"))
+    cfg = {
+        "KERNEL": "persistent",
+        "BLOCK_M": 16,
+        "BLOCK_R": 16,
+        "BLOCK_D": 16,
+        "FLATTEN": True,
+        "PER_SM": 2,
+        "PROGRAMS": programs,
+        "maxnreg": 128,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    triton_kernels.indexer_score_tile(query, weights, summary, 2, 29, out, _config=cfg)
+    assert not out.isnan().any()
+    expected = reference.indexer_score_tile(query, weights, summary, 2, 29)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_tma_descriptors_only_where_strides_allow_them():
+    _, _, summary = _inputs(2, 1, 1, 1, 24, 40)
+    desc, batch_rows = triton_kernels._summary_descriptor(summary, 16, 32)
+    assert desc is not None and batch_rows == 40 and desc.shape == [80, 24]
+    desc, batch_rows = triton_kernels._summary_descriptor(summary[:1, 3:30], 16, 32)
+    assert desc is not None and batch_rows == 0 and desc.shape == [27, 24]
+    odd_rows = _inputs(1, 1, 1, 1, 20, 40)[2]  # 40-byte rows: not a multiple of 16 bytes
+    assert triton_kernels._summary_descriptor(odd_rows, 16, 32) == (None, 0)
+    out = torch.empty(2, 3, 5, 40)
+    desc = triton_kernels._out_descriptor(out, 4, 16)
+    assert desc is not None and desc.shape == [6, 5, 40] and desc.block_shape == [1, 4, 16]
+    assert triton_kernels._out_descriptor(torch.empty(2, 3, 5, 38), 4, 16) is None  # 152-byte rows
+    flat = torch.randn(2 * 40 * 24 + 8).bfloat16()
+    uneven = flat.as_strided(
+        (2, 40, 24), (40 * 24 + 8, 24, 1)
+    )  # batch stride not a whole number of rows
+    assert triton_kernels._summary_descriptor(uneven, 16, 32) == (None, 0)
+
+
+@pytest.mark.parametrize(
+    "layout", ["uneven-batch-stride", "unaligned-slice", "stride-0-batch"], ids=str
+)
+def test_resident_tma_config_falls_back_to_pointer_loads_where_tma_cannot_address(layout):
+    query, weights, _ = _inputs(2, 10, 2, 4, 24, 33, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    if layout == "uneven-batch-stride":
+        flat = round_to_e4m3(torch.randn(2 * 33 * 24 + 8, generator=gen).bfloat16())
+        summary = flat.as_strided((2, 33, 24), (33 * 24 + 8, 24, 1))
+    elif layout == "unaligned-slice":
+        summary = round_to_e4m3(torch.randn(2, 33, 24, generator=gen).bfloat16())[:, :, 1:]
+        query = query[..., :23]
+        assert summary.data_ptr() % 16  # a base TMA cannot take
+    else:
+        summary = round_to_e4m3(torch.randn(1, 33, 24, generator=gen).bfloat16()).expand(2, -1, -1)
+    n_q = 8
+    out = torch.full((2, 2, n_q, 33), float("nan"))
+    cfg = _resident(tma=True, programs=4)
+    triton_kernels.indexer_score_tile(query, weights, summary, 1, 1 + n_q, out, _config=cfg)
+    expected = reference.indexer_score_tile(query, weights, summary, 1, 1 + n_q)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_resident_config_runs_the_tiles_kernel_when_dim_exceeds_256():
+    query, weights, summary = _inputs(1, 6, 1, 2, 272, 20, seed=9)
+    out = torch.full((1, 1, 5, 20), float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 1, 6, out, _config=_resident())
+    expected = reference.indexer_score_tile(query, weights, summary, 1, 6)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -133,19 +259,70 @@ def test_cuda_matches_reference_on_a_128_query_tile_against_4096_regions():
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
 
 
+def _run_or_skip(query, weights, summary, start, stop, out, cfg):
+    """Run one sweep config; skip where it needs more shared memory than this GPU has."""
+    try:
+        triton_kernels.indexer_score_tile(query, weights, summary, start, stop, out, _config=cfg)
+    except OutOfResources as err:
+        pytest.skip(f"config needs more shared memory than this GPU has: {err}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", triton_kernels.SWEEP_CONFIGS, ids=_config_id)
 def test_cuda_sweep_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
     # 128 queries and 1008 regions specialise like the benchmark's shape, so the sweep reuses these compilations.
     query, weights, summary = _inputs(1, 200, 4, 4, 256, 1008, device="cuda", seed=3)
     out = torch.full((1, 4, 128, 1008), float("nan"), device="cuda")
-    try:
-        triton_kernels.indexer_score_tile(query, weights, summary, 16, 144, out, _config=cfg)
-    except OutOfResources as err:
-        pytest.skip(f"config needs more shared memory than this GPU has: {err}")
+    _run_or_skip(query, weights, summary, 16, 144, out, cfg)
     again = triton_kernels.indexer_score_tile(
         query, weights, summary, 16, 144, torch.empty_like(out), _config=cfg
     )
     assert torch.equal(out, again)
     expected = reference.indexer_score_tile(query, weights, summary, 16, 144)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
+
+
+NEW_KERNEL_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if "KERNEL" in cfg]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", NEW_KERNEL_CONFIGS, ids=_config_id)
+def test_cuda_persistent_and_resident_configs_equal_the_default_bit_for_bit(cfg):
+    # Same products in the same k order (the resident kernel: one dot over D instead of four chained 64-wide
+    # dots) and the same epilogue code: the same bits as the tiles kernel at its default.
+    query, weights, summary = _inputs(1, 200, 4, 4, 256, 1008, device="cuda", seed=4)
+    default = torch.full((1, 4, 128, 1008), float("nan"), device="cuda")
+    triton_kernels.indexer_score_tile(
+        query, weights, summary, 16, 144, default, _config=triton_kernels._TILES_FALLBACK
+    )
+    out = torch.full_like(default, float("nan"))
+    _run_or_skip(query, weights, summary, 16, 144, out, cfg)
+    assert not out.isnan().any()
+    assert torch.equal(out, default), f"max difference {(out - default).abs().max().item():.3g}"
+
+
+@pytest.mark.gpu
+def test_cuda_default_matches_reference_on_a_step5_like_tile_with_a_summary_slice():
+    # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries.
+    query, weights, summary = _inputs(1, 700, 4, 4, 256, 5000, device="cuda", seed=6)
+    part = summary[:, 333:4461]
+    got = indexer_score_tile(query, weights, part, 0, 700)
+    expected = reference.indexer_score_tile(query, weights, part, 0, 700)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+
+
+TMA_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if cfg.get("TMA")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=_config_id)
+def test_cuda_tma_configs_read_a_two_batch_summary_slice_through_one_descriptor(cfg):
+    # Batch rows 1000 apart, the slice starts 5 rows in: the descriptor spans both batches, tails read zeros.
+    # (128 queries and 992 regions: multiples of 16, so this reuses the sweep test's compilations.)
+    query, weights, summary = _inputs(2, 150, 4, 4, 256, 1000, device="cuda", seed=12)
+    part = summary[:, 5:997]
+    assert triton_kernels._summary_descriptor(part, cfg["BLOCK_R"], 256)[1] == 1000
+    out = torch.full((2, 4, 128, 992), float("nan"), device="cuda")
+    _run_or_skip(query, weights, part, 9, 137, out, cfg)
+    expected = reference.indexer_score_tile(query, weights, part, 9, 137)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)

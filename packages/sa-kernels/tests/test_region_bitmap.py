@@ -48,25 +48,72 @@ def test_triton_matches_reference_and_decodes_to_the_id_sets(shape, regions):
         assert set(torch.nonzero(row_members).flatten().tolist()) == expected
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param({"ROWS": 1, "num_warps": 1, "BLOCK_S": None}, id="rows1-warps1-whole-row"),
-        pytest.param({"ROWS": 4, "num_warps": 2, "BLOCK_S": None}, id="rows4-warps2-row-tail"),
-        pytest.param({"ROWS": 8, "num_warps": 8, "BLOCK_S": None}, id="rows8-more-rows-than-input"),
-        pytest.param({"ROWS": 2, "num_warps": 2, "BLOCK_S": 16}, id="rows2-steps-of-16-slots"),
-        pytest.param({"ROWS": 1, "num_warps": 1, "BLOCK_S": 4}, id="rows1-steps-of-4-slots"),
-    ],
-)
+def _config_id(cfg):
+    return (
+        "block{BLOCK_S}-tail{BLOCK_T}-align{ALIGN}-next-{NEXT}-{STORE}-zero{BLOCK_W}-rows{ROWS}-warps{num_warps}"
+    ).format(**cfg)
+
+
+def _small(**cfg):
+    return {
+        "ALIGN": 4,
+        "NEXT": "gather",
+        "STORE": "tl",
+        "BLOCK_W": 16,
+        "ROWS": 1,
+        "num_warps": 1,
+        **cfg,
+    }
+
+
+# Interpreter-sized versions of every kind of sweep config (the CPU path always stores through tl.store).
+SMALL_CONFIGS = [
+    _small(BLOCK_S=4, BLOCK_T=2),
+    _small(BLOCK_S=8, BLOCK_T=4, NEXT="load"),
+    # The tail step grows to the 1..16 positions after the full steps.
+    _small(BLOCK_S=16, BLOCK_T=1),
+    _small(BLOCK_S=8, BLOCK_T=8, ALIGN=2, BLOCK_W=8),
+    _small(BLOCK_S=8, BLOCK_T=8, ALIGN=1),
+    _small(BLOCK_S=8, BLOCK_T=2, ALIGN=1, NEXT="load"),
+    _small(BLOCK_S=64, BLOCK_T=64, num_warps=2),
+    # 6 rows: the second program has 2 rows and 2 past the end.
+    _small(BLOCK_S=8, BLOCK_T=4, ROWS=4),
+]
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=_config_id)
 def test_every_sweep_config_writes_the_reference_bits_over_a_poisoned_out(config):
-    # 6 rows (a partial block of rows for ROWS 4 and 8); 45 slots over 10 words, so words span steps;
-    # negative ids lead one row, padding (the sentinel and beyond) ends others.
+    # 6 rows of 45 slots: with ALIGN 4 the rows start 0..3 ids past a 16-byte boundary, so each reads up to 3
+    # ids of the previous row; 45 slots over 10 words, so words span full steps and the tail; negative ids
+    # lead one row, padding (the sentinel and beyond) ends others; 64 slots, 2 warps: the row is one tail step.
     ids = _sorted_ids((1, 3, 2, 45), 300, seed=3)
     ids[0, 0, 0, :3] = torch.tensor([-5, -1, -1], dtype=torch.int32)
     ids[0, 2, 1] = torch.arange(64, 64 + 45, dtype=torch.int32)  # word 2 spans 32 slots
     out = torch.full((1, 3, 2, 10), -1, dtype=torch.int32)
     triton_kernels.pack_region_bitmap(ids, 300, out, _config=config)
     torch.testing.assert_close(out, reference.pack_region_bitmap(ids, 300), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", SMALL_CONFIGS[:6], ids=_config_id)
+@pytest.mark.parametrize(
+    ("slots", "regions"),
+    [
+        pytest.param(13, 70, id="slots13-R70-tail-of-a-word"),
+        pytest.param(33, 33, id="slots33-R33-dense-repeats"),
+        pytest.param(7, 1000, id="slots7-R1000-sparse"),
+    ],
+)
+def test_rows_read_from_a_strided_view_ignore_the_ids_between_rows(config, slots, regions):
+    # Rows of a wider tensor: the 16-byte-aligned reads start inside the previous row's unused columns, which
+    # hold member-looking ids (small, in range) that must not leak into the bitmap.
+    wide = torch.randint(0, min(regions, 32), (5, 3, slots + 2), dtype=torch.int32)
+    wide[..., :slots] = _sorted_ids((5, 3, slots), regions, pad_fraction=0.3, seed=slots)
+    ids = wide[..., :slots]
+    ids[1, 2] = regions  # a row of padding only
+    out = torch.full((5, 3, (regions + 31) // 32), -7, dtype=torch.int32)
+    triton_kernels.pack_region_bitmap(ids, regions, out, _config=config)
+    torch.testing.assert_close(out, reference.pack_region_bitmap(ids, regions), rtol=0, atol=0)
+    assert (out[1, 2] == 0).all()
 
 
 def test_rows_of_padding_give_zero_words_and_region_31_sets_the_sign_bit():
@@ -92,9 +139,7 @@ def test_errors_name_the_argument_and_the_values():
 @pytest.mark.parametrize(
     "config",
     [None, *triton_kernels.SWEEP_CONFIGS],
-    ids=lambda c: (
-        "default" if c is None else "rows{ROWS}-warps{num_warps}-slots{BLOCK_S}".format(**c)
-    ),
+    ids=lambda c: "default" if c is None else _config_id(c),
 )
 def test_cuda_matches_reference_at_4092_queries_513_slots(config):
     # Row count, slots and regions specialise like the benchmark's shape, so the sweep reuses these compilations.
@@ -102,3 +147,26 @@ def test_cuda_matches_reference_at_4092_queries_513_slots(config):
     out = torch.full((1, 4, 4092, 512), -1, dtype=torch.int32, device="cuda")
     triton_kernels.pack_region_bitmap(ids, 16384, out, _config=config)
     torch.testing.assert_close(out, reference.pack_region_bitmap(ids, 16384), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("slots", "regions"),
+    [
+        pytest.param(7, 1000, id="slots7-R1000-tail-only"),
+        pytest.param(45, 300, id="slots45-R300-words-span-steps"),
+        pytest.param(2051, 40000, id="slots2051-R40000-four-steps-and-a-tail"),
+    ],
+)
+def test_cuda_default_matches_reference_on_strided_rows_negatives_and_padding_rows(slots, regions):
+    # The inline-PTX scatter runs only on CUDA: strided rows (reads start in the previous row's unused columns,
+    # which hold member-looking ids), negative ids, a row of padding only, regions not a multiple of 32.
+    wide = torch.randint(0, 32, (3, 70, slots + 2), dtype=torch.int32)
+    wide[..., :slots] = _sorted_ids((3, 70, slots), regions, pad_fraction=0.3, seed=slots)
+    ids = wide.cuda()[..., :slots]
+    ids[0, 5] = regions
+    ids[1, 3, : min(3, slots)] = -1
+    out = torch.full((3, 70, (regions + 31) // 32), -7, dtype=torch.int32, device="cuda")
+    pack_region_bitmap(ids, regions, out=out)
+    torch.testing.assert_close(out, reference.pack_region_bitmap(ids, regions), rtol=0, atol=0)
+    assert (out[0, 5] == 0).all()

@@ -154,14 +154,16 @@ class LaunchConfig:
 
 
 def default_config(block: int) -> LaunchConfig:
-    """The H200 sweeps' best (`bench_stable_topk.py --sweep`, 2026-11-29): 4 warps, the output phase in
-    2048-entry tiles above 2048 entries (18:29 UTC: 32768 entries 0.944 ms vs 1.533 for the previous
-    whole-row 32-warp default; 16384: 0.376 vs 0.461; 4096: 0.169 vs 0.179), and the prefilter from
-    8192 entries."""
+    """The H200 sweeps' best (`bench_stable_topk.py --sweep`, 2026-11-29 18:52 UTC, FP32 rows, k 512):
+    the output phase in 2048-entry tiles above 2048 entries and the prefilter from 4096 entries;
+    4 warps, 16 for 32768 entries. Against the whole-row walk of 18:29 UTC: 32768 entries 0.595 ms
+    (was 1.533), 16384: 0.278 (0.461), 4096: 0.115 (0.179)."""
+    if block >= 32768:
+        return LaunchConfig(num_warps=16, output_tile=2048, prefilter=2048)
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,
-        prefilter=1024 if block >= 8192 else 0,
+        prefilter=1024 if block >= 4096 else 0,
     )
 
 
