@@ -7,10 +7,10 @@ FLOPs count `2·Q·G·H·R·D` (the q·s products). Baselines: the same-size BF1
 
 Shapes: the issue's target tile (Q 128, G 4, H 4, D 256, R 16384) and a Step-5-like call (Q 2048 against the
 same 16384 regions); without `--quick` also R 4096, R 65536 and G 1 × H 16 at D 128.
-`--sweep` times every launch config of `indexer_score/triton_kernels.py` (kernels "tiles", "persistent",
-"resident") on the two first shapes, checks each against the reference and for bit identity with DEFAULT_CONFIG, and prints
-the best per shape and the best over both (geometric mean of the speed-up over the default): that one becomes
-DEFAULT_CONFIG.
+`--sweep` times SWEEP_CONFIGS of `indexer_score/triton_kernels.py` (the default, resident kernel and its closest
+rivals of the 2026-11-29 H200 sweep, the previous tiles default among them) on the two first shapes, checks each
+against the reference and for bit identity with DEFAULT_CONFIG, and prints the best per shape and the best over
+both (geometric mean of the speed-up over the default): if another config wins, it becomes DEFAULT_CONFIG.
 """
 
 import argparse
@@ -39,16 +39,11 @@ def _flops(batch: int, queries: int, groups: int, heads: int, dim: int, regions:
 
 def _config_name(cfg: dict) -> str:
     if cfg.get("KERNEL") == "resident":
-        extra = ("+tma" if cfg.get("TMA") else "") + ("+store" if cfg.get("TMA_STORE") else "")
         return (
             f"resident {cfg['BLOCK_M']}x{cfg['BLOCK_R']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            f" x{cfg.get('PER_SM', 1)}/SM{extra}"
+            f" x{cfg.get('PER_SM', 1)}/SM{'+tma' if cfg.get('TMA') else ''}"
         )
-    tiles = f"{cfg['BLOCK_M']}x{cfg['BLOCK_R']}x{cfg['BLOCK_D']} w{cfg['num_warps']} s{cfg['num_stages']}"
-    if cfg.get("KERNEL") == "persistent":
-        flat = "+flatten" if cfg.get("FLATTEN") else ""
-        return f"persistent {tiles} x{cfg.get('PER_SM', 1)}/SM{flat}"
-    return f"tiles {tiles}"
+    return f"tiles {cfg['BLOCK_M']}x{cfg['BLOCK_R']}x{cfg['BLOCK_D']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
 def _inputs(batch: int, queries: int, groups: int, heads: int, dim: int, regions: int):

@@ -5,10 +5,10 @@ copy bandwidth measured in this run.
 
     python packages/sa-kernels/benchmarks/bench_region_bitmap.py [--quick] [--sweep] [--json PATH]
 
-`--sweep` times every config in `triton_kernels.SWEEP_CONFIGS` (scan step and tail sizes, aligned or row-start
-reads, next-slot word from registers or a shifted load, inline-PTX or `tl.store` scatter, rows per program, warps)
-on the target shape, reports and skips any that fails or writes other bits than the reference, and prints the rest
-fastest first (the default lives in `region_bitmap/triton_kernels.py`).
+`--sweep` times every config in `triton_kernels.SWEEP_CONFIGS` (the default and its closest rivals: scan step and
+tail sizes, 16- or 8-byte aligned reads, rows per program) on the target shape, reports and skips any that fails
+or writes other bits than the reference, and prints the rest fastest first (the default lives in
+`region_bitmap/triton_kernels.py`).
 """
 
 import argparse

@@ -26,7 +26,7 @@ def _decode(bitmap: torch.Tensor, regions: int) -> torch.Tensor:
 
 CASES = [
     pytest.param((2, 3, 5, 37), 100, id="B2-G3-Q5-slots37-R100"),
-    pytest.param((1, 2, 3, 1), 33, id="B1-G2-Q3-slots1-R33"),
+    pytest.param((1, 1, 3, 1), 33, id="B1-G1-Q3-slots1-R33-odd-rows"),
     pytest.param((1, 1, 4, 513), 2049, id="B1-G1-Q4-slots513-R2049"),
     pytest.param((1, 1, 2, 64), 32, id="B1-G1-Q2-slots64-R32-dense"),
     pytest.param((1, 2, 3, 300), 40000, id="B1-G2-Q3-slots300-R40000-two-word-blocks"),
@@ -49,33 +49,23 @@ def test_triton_matches_reference_and_decodes_to_the_id_sets(shape, regions):
 
 
 def _config_id(cfg):
-    return (
-        "block{BLOCK_S}-tail{BLOCK_T}-align{ALIGN}-next-{NEXT}-{STORE}-zero{BLOCK_W}-rows{ROWS}-warps{num_warps}"
-    ).format(**cfg)
+    return "block{BLOCK_S}-tail{BLOCK_T}-align{ALIGN}-zero{BLOCK_W}-rows{ROWS}".format(**cfg)
 
 
 def _small(**cfg):
-    return {
-        "ALIGN": 4,
-        "NEXT": "gather",
-        "STORE": "tl",
-        "BLOCK_W": 16,
-        "ROWS": 1,
-        "num_warps": 1,
-        **cfg,
-    }
+    return {"ALIGN": 4, "BLOCK_W": 16, "ROWS": 1, **cfg}
 
 
-# Interpreter-sized versions of every kind of sweep config (the CPU path always stores through tl.store).
+# Interpreter-sized versions of the sweep configs' kinds: 16-byte (ALIGN 4) and 8-byte (ALIGN 2) aligned reads,
+# the zeroing step of the scan's shape or not, 1, 2 and 4 rows per program. The default itself runs in the
+# public-function tests above.
 SMALL_CONFIGS = [
     _small(BLOCK_S=4, BLOCK_T=2),
-    _small(BLOCK_S=8, BLOCK_T=4, NEXT="load"),
-    # The tail step grows to the 1..16 positions after the full steps.
+    # The tail step grows to the 1..16 positions after the full steps; zeroing has the scan's shape.
     _small(BLOCK_S=16, BLOCK_T=1),
     _small(BLOCK_S=8, BLOCK_T=8, ALIGN=2, BLOCK_W=8),
-    _small(BLOCK_S=8, BLOCK_T=8, ALIGN=1),
-    _small(BLOCK_S=8, BLOCK_T=2, ALIGN=1, NEXT="load"),
-    _small(BLOCK_S=64, BLOCK_T=64, num_warps=2),
+    # 6 rows: three programs of 2 rows.
+    _small(BLOCK_S=8, BLOCK_T=4, ROWS=2),
     # 6 rows: the second program has 2 rows and 2 past the end.
     _small(BLOCK_S=8, BLOCK_T=4, ROWS=4),
 ]
@@ -85,7 +75,7 @@ SMALL_CONFIGS = [
 def test_every_sweep_config_writes_the_reference_bits_over_a_poisoned_out(config):
     # 6 rows of 45 slots: with ALIGN 4 the rows start 0..3 ids past a 16-byte boundary, so each reads up to 3
     # ids of the previous row; 45 slots over 10 words, so words span full steps and the tail; negative ids
-    # lead one row, padding (the sentinel and beyond) ends others; 64 slots, 2 warps: the row is one tail step.
+    # lead one row, padding (the sentinel and beyond) ends others.
     ids = _sorted_ids((1, 3, 2, 45), 300, seed=3)
     ids[0, 0, 0, :3] = torch.tensor([-5, -1, -1], dtype=torch.int32)
     ids[0, 2, 1] = torch.arange(64, 64 + 45, dtype=torch.int32)  # word 2 spans 32 slots
@@ -94,7 +84,7 @@ def test_every_sweep_config_writes_the_reference_bits_over_a_poisoned_out(config
     torch.testing.assert_close(out, reference.pack_region_bitmap(ids, 300), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("config", SMALL_CONFIGS[:6], ids=_config_id)
+@pytest.mark.parametrize("config", SMALL_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize(
     ("slots", "regions"),
     [
@@ -138,8 +128,8 @@ def test_errors_name_the_argument_and_the_values():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "config",
-    [None, *triton_kernels.SWEEP_CONFIGS],
-    ids=lambda c: "default" if c is None else _config_id(c),
+    triton_kernels.SWEEP_CONFIGS,
+    ids=lambda c: _config_id(c) + ("-default" if c == triton_kernels.DEFAULT_CONFIG else ""),
 )
 def test_cuda_matches_reference_at_4092_queries_513_slots(config):
     # Row count, slots and regions specialise like the benchmark's shape, so the sweep reuses these compilations.
@@ -159,14 +149,15 @@ def test_cuda_matches_reference_at_4092_queries_513_slots(config):
     ],
 )
 def test_cuda_default_matches_reference_on_strided_rows_negatives_and_padding_rows(slots, regions):
-    # The inline-PTX scatter runs only on CUDA: strided rows (reads start in the previous row's unused columns,
-    # which hold member-looking ids), negative ids, a row of padding only, regions not a multiple of 32.
-    wide = torch.randint(0, 32, (3, 70, slots + 2), dtype=torch.int32)
-    wide[..., :slots] = _sorted_ids((3, 70, slots), regions, pad_fraction=0.3, seed=slots)
+    # The compiled default (16-byte vector loads, the scatter's layout conversion, 2 rows per program with an odd
+    # row count) on strided rows (reads start in the previous row's unused columns, which hold member-looking
+    # ids), negative ids, a row of padding only, regions not a multiple of 32.
+    wide = torch.randint(0, 32, (3, 69, slots + 2), dtype=torch.int32)
+    wide[..., :slots] = _sorted_ids((3, 69, slots), regions, pad_fraction=0.3, seed=slots)
     ids = wide.cuda()[..., :slots]
     ids[0, 5] = regions
     ids[1, 3, : min(3, slots)] = -1
-    out = torch.full((3, 70, (regions + 31) // 32), -7, dtype=torch.int32, device="cuda")
+    out = torch.full((3, 69, (regions + 31) // 32), -7, dtype=torch.int32, device="cuda")
     pack_region_bitmap(ids, regions, out=out)
     torch.testing.assert_close(out, reference.pack_region_bitmap(ids, regions), rtol=0, atol=0)
     assert (out[0, 5] == 0).all()
