@@ -7,11 +7,11 @@ scales by the head weights and sums each query's heads in registers before stori
 Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
 - "resident" (the default on the GPU): a fixed number of programs ("PER_SM" per SM), each walking a contiguous run
   of tiles in (batch·group, query block, region block) order. A program loads its `[BLOCK_M, D]` query rows once
-  per query block and streams only the summaries, through a Hopper TMA descriptor when "TMA" is set and the strides
-  allow it (pointer loads otherwise): at BLOCK_M 128 it reads half the bytes per FLOP of "tiles". One dot over all
-  of D (padded to a power of two, at most 256; 2-byte queries on the GPU).
+  per query block and streams only the summaries through a Hopper TMA descriptor: at BLOCK_M 128 it reads half the
+  bytes per FLOP of "tiles". One dot over all of D (padded to a power of two, at most 256; 2-byte queries on the GPU).
 - "tiles": one program per output tile, D walked in `BLOCK_D` steps; both operands reloaded for every tile. It runs
-  where "resident" cannot (D > 256, float32 query on the GPU) and under the interpreter.
+  where "resident" cannot (D > 256, float32 query on the GPU, a summary layout TMA cannot address: 16-byte aligned
+  base and row stride, a batch stride that is a whole number of rows) and under the interpreter.
 Both accumulate the products in the same k order and share the epilogue, so they give the same bits.
 """
 
@@ -117,7 +117,6 @@ def _indexer_score_kernel(
 def _indexer_score_resident_kernel(
     q_ptr,
     w_ptr,
-    s_ptr,
     s_desc,
     out_ptr,
     start,
@@ -137,13 +136,10 @@ def _indexer_score_resident_kernel(
     sw_q,
     sw_g,
     sw_h,
-    ss_b,
-    ss_r,
     HP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DP: tl.constexpr,
-    TMA: tl.constexpr,
     STAGES: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -179,14 +175,8 @@ def _indexer_score_resident_kernel(
         for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
             rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
             r_ok = rs < R
-            if TMA:
-                # Rows past R (the next batch row or TMA's zero fill) only reach masked-out columns.
-                st = s_desc.load([s_row0 + pid_r * BLOCK_R, 0])
-            else:
-                s_rows = s_ptr + b * ss_b + rs.to(tl.int64) * ss_r
-                st = tl.load(
-                    s_rows[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0
-                )
+            # Rows past R (the next batch row or TMA's zero fill) only reach masked-out columns.
+            st = s_desc.load([s_row0 + pid_r * BLOCK_R, 0])
             if DOT_FP32:
                 st = st.to(tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -197,14 +187,11 @@ def _indexer_score_resident_kernel(
         t += r_hi - r_lo
 
 
-def _resident(
-    block_m: int, block_r: int, per_sm: int, warps: int, stages: int, tma: bool = True
-) -> dict:
+def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) -> dict:
     return {
         "KERNEL": "resident",
         "BLOCK_M": block_m,
         "BLOCK_R": block_r,
-        "TMA": tma,
         "PER_SM": per_sm,
         "num_warps": warps,
         "num_stages": stages,
@@ -228,7 +215,6 @@ SWEEP_CONFIGS = [
     _resident(128, 64, per_sm=1, warps=8, stages=4),  # 362.8 / 445.3
     _resident(128, 64, per_sm=2, warps=8, stages=1),  # 325.9 / 418.2: two programs share an SM
     _resident(128, 128, per_sm=1, warps=8, stages=2),  # 249.5 / 346.5
-    _resident(128, 128, per_sm=1, warps=8, stages=2, tma=False),  # – / 343.2: the pointer loads
     dict(_TILES_CONFIG),  # 289 / 339.1: the previous default
 ]
 
@@ -296,7 +282,10 @@ def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
     )
 
 
-def _launch_resident(query, weights, summary, start, n_q, out, cfg, hp, interpret, precision):
+def _launch_resident(
+    query, weights, summary, start, n_q, out, cfg, hp, interpret, precision
+) -> bool:
+    """Runs the resident kernel, or returns False where TMA cannot address `summary`."""
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
     block_m = max(cfg["BLOCK_M"], hp)
@@ -304,13 +293,12 @@ def _launch_resident(query, weights, summary, start, n_q, out, cfg, hp, interpre
     dp = max(16, triton.next_power_of_2(dim))
     n_tiles = batch * groups * triton.cdiv(n_q, block_m // hp) * triton.cdiv(regions, block_r)
     tiles_per_program = triton.cdiv(n_tiles, _programs(query, cfg, interpret))
-    desc, batch_rows = (None, 0)
-    if cfg.get("TMA", False):
-        desc, batch_rows = _summary_descriptor(summary, block_r, dp)
+    desc, batch_rows = _summary_descriptor(summary, block_r, dp)
+    if desc is None:
+        return False
     _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
-        summary,
         desc,
         out,
         start,
@@ -324,19 +312,17 @@ def _launch_resident(query, weights, summary, start, n_q, out, cfg, hp, interpre
         batch_rows,
         *query.stride()[:4],
         *weights.stride(),
-        summary.stride(0),
-        summary.stride(1),
         HP=hp,
         BLOCK_M=block_m,
         BLOCK_R=block_r,
         DP=dp,
-        TMA=desc is not None,
         STAGES=cfg["num_stages"],
         DOT_FP32=interpret,
         PRECISION=precision,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    return True
 
 
 def _resident_runs(query: torch.Tensor, interpret: bool) -> bool:
@@ -358,7 +344,8 @@ def indexer_score_tile(
 
     The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel cannot
     run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG` when
-    interpreted); "TMA" where the summary's strides do not allow it loads through pointers.
+    interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200 test on
+    such a layout, 2026-11-29 19:03 UTC, and was removed).
     """
     n_q = stop - start
     if out.numel() == 0:
@@ -373,8 +360,10 @@ def indexer_score_tile(
     else:
         cfg = dict(DEFAULT_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
-    if kernel == "resident" and _resident_runs(query, interpret):
-        _launch_resident(query, weights, summary, start, n_q, out, cfg, hp, interpret, precision)
+    resident = kernel == "resident" and _resident_runs(query, interpret)
+    if resident and _launch_resident(
+        query, weights, summary, start, n_q, out, cfg, hp, interpret, precision
+    ):
         return out
     if kernel == "resident":
         cfg = dict(_INTERPRET_CONFIG if interpret else _TILES_CONFIG)

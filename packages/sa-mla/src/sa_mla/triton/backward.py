@@ -110,132 +110,63 @@ def _sparse_mla_bwd_dq_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
-    DV_SPLIT: tl.constexpr,
 ):
-    """dq[t, h] = scale * sum_j p_j (dO . v_j - delta) k_j over the token's valid slots.
-
-    DV_SPLIT == 1 (every default config): one program per (head block, token) keeps the whole dq row
-    block in registers. DV_SPLIT > 1 (an opt-in sweep candidate): grid axis 2 picks a slice of
-    DV / DV_SPLIT value dims (the first slice also writes the rope dims); the scores are recomputed per
-    slice and their dots run over 64-wide chunks of the value dims, as in the dkv kernel, so neither a
-    [BLOCK_K, 512] key tile nor the full [BLOCK_H, 512] accumulator has to live in registers.
+    """dq[t, h] = scale * sum_j p_j (dO . v_j - delta) k_j over the token's valid slots; one program per
+    (head block, token) keeps the whole dq row block in registers. (A variant splitting the value dims
+    across programs was slower on the H200 and failed its gpu test, 2026-11-29; removed.)
     """
-    if DV_SPLIT == 1:
-        hb = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
-        offs_h, hmask, q_nope, q_rope, do, lse2, delta = _load_query_block(
-            Q,
-            DOUT,
-            LSE2,
-            DELTA,
-            t,
-            hb,
-            stride_qt,
-            stride_qh,
-            stride_dot,
-            stride_doh,
-            heads,
-            BLOCK_H,
-            DV,
-            D_ROPE,
-            DR,
-            UPCAST,
-        )
-        length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
-        offs_v = tl.arange(0, DV)
-        offs_r = DV + tl.arange(0, DR)
-        idx_row = IDX + t * stride_it
-        dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
-        dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
-        for start in range(0, length, BLOCK_K):
-            slots = start + tl.arange(0, BLOCK_K)
-            ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
-            valid = (ids >= 0) & (ids < keys) & (slots < length)
-            kv_row = KV + ids.to(tl.int64) * stride_kvt
-            k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k_nope = k_nope.to(tl.float32)
-            # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
-            st = tl.dot(k_nope, tl.trans(q_nope))
-            if D_ROPE > 0:
-                k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
-                if UPCAST:
-                    k_rope = k_rope.to(tl.float32)
-                st += tl.dot(k_rope, tl.trans(q_rope))
-            pt = tl.exp2(st * scale_log2 - lse2[None, :])
-            pt = tl.where(valid[:, None], pt, 0.0)
-            dpt = tl.dot(k_nope, tl.trans(do))
-            ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
-            dq_nope += tl.dot(ds, k_nope)
-            if D_ROPE > 0:
-                dq_rope += tl.dot(ds, k_rope)
-        dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
-        tl.store(dq_row + offs_v[None, :], dq_nope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h, hmask, q_nope, q_rope, do, lse2, delta = _load_query_block(
+        Q,
+        DOUT,
+        LSE2,
+        DELTA,
+        t,
+        hb,
+        stride_qt,
+        stride_qh,
+        stride_dot,
+        stride_doh,
+        heads,
+        BLOCK_H,
+        DV,
+        D_ROPE,
+        DR,
+        UPCAST,
+    )
+    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    offs_v = tl.arange(0, DV)
+    offs_r = DV + tl.arange(0, DR)
+    idx_row = IDX + t * stride_it
+    dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
+    for start in range(0, length, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys) & (slots < length)
+        kv_row = KV + ids.to(tl.int64) * stride_kvt
+        k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k_nope = k_nope.to(tl.float32)
+        # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
+        st = tl.dot(k_nope, tl.trans(q_nope))
         if D_ROPE > 0:
-            tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])
-    else:
-        DC: tl.constexpr = 64
-        DS: tl.constexpr = DV // DV_SPLIT
-        hb = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
-        part = tl.program_id(2)
-        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = offs_h < heads
-        offs_c = tl.arange(0, DC)
-        offs_s = part * DS + tl.arange(0, DS)
-        offs_r = DV + tl.arange(0, DR)
-        q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-        do_row = DOUT + t * stride_dot + offs_h[:, None] * stride_doh
-        lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
-        delta = tl.load(DELTA + t * heads + offs_h, mask=hmask, other=0.0)
-        length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            st += tl.dot(k_rope, tl.trans(q_rope))
+        pt = tl.exp2(st * scale_log2 - lse2[None, :])
+        pt = tl.where(valid[:, None], pt, 0.0)
+        dpt = tl.dot(k_nope, tl.trans(do))
+        ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
+        dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
-            q_rope = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-            if UPCAST:
-                q_rope = q_rope.to(tl.float32)
-        idx_row = IDX + t * stride_it
-        dq_part = tl.zeros([BLOCK_H, DS], tl.float32)
-        dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
-        for start in range(0, length, BLOCK_K):
-            slots = start + tl.arange(0, BLOCK_K)
-            ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
-            valid = (ids >= 0) & (ids < keys) & (slots < length)
-            kv_row = KV + ids.to(tl.int64) * stride_kvt
-            st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
-            dpt = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
-            for c in tl.static_range(DV // DC):
-                k_c = tl.load(
-                    kv_row[:, None] + c * DC + offs_c[None, :], mask=valid[:, None], other=0.0
-                )
-                q_c = tl.load(q_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-                do_c = tl.load(do_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-                if UPCAST:
-                    k_c = k_c.to(tl.float32)
-                    q_c = q_c.to(tl.float32)
-                    do_c = do_c.to(tl.float32)
-                st += tl.dot(k_c, tl.trans(q_c))
-                dpt += tl.dot(k_c, tl.trans(do_c))
-            if D_ROPE > 0:
-                k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
-                if UPCAST:
-                    k_rope = k_rope.to(tl.float32)
-                st += tl.dot(k_rope, tl.trans(q_rope))
-            pt = tl.exp2(st * scale_log2 - lse2[None, :])
-            pt = tl.where(valid[:, None], pt, 0.0)
-            k_s = tl.load(kv_row[:, None] + offs_s[None, :], mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k_s = k_s.to(tl.float32)
-            ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_s.dtype))
-            dq_part += tl.dot(ds, k_s)
-            if D_ROPE > 0:
-                dq_rope += tl.dot(ds, k_rope)
-        dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
-        tl.store(dq_row + offs_s[None, :], dq_part.to(DQ.dtype.element_ty), mask=hmask[:, None])
-        if D_ROPE > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-            if part == 0:  # the first slice's programs also write the rope dims
-                tl.store(
-                    dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None]
-                )
+            dq_rope += tl.dot(ds, k_rope)
+    dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
+    tl.store(dq_row + offs_v[None, :], dq_nope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+    if D_ROPE > 0:
+        tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -368,8 +299,6 @@ def sparse_mla_backward(
 
     lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows);
     delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. Two kernels: dq (registers), dkv (atomics).
-    A dq_config with dv_split > 1 splits dq's value dims across programs (benchmark sweep only;
-    raises ValueError unless 512 / dv_split is a multiple of 64).
     """
     tokens, heads, head_dim = q.shape
     dq = torch.empty_like(q)
@@ -381,17 +310,11 @@ def sparse_mla_backward(
     lengths = topk_length if topk_length is not None else ids
     grid_of = lambda c: (triton.cdiv(heads, c.block_h), tokens)
     flags = (heads, head_dim, q.dtype, topk_length is not None)
-    dv_split = 1 if dq_config is None else dq_config.dv_split
-    if VALUE_DIM % (64 * dv_split) != 0:
-        raise ValueError(
-            f"sparse_mla_backward: dq_config.dv_split must split {VALUE_DIM} value dims into "
-            f"multiples of 64, got {dv_split}"
-        )
     _launch(
         _sparse_mla_bwd_dq_kernel,
         None if dq_config is not None else ("dq", *flags),
         [dq_config] if dq_config is not None else dq_configs(heads),
-        lambda c: (triton.cdiv(heads, c.block_h), tokens, c.dv_split),
+        grid_of,
         q,
         kv,
         ids,
@@ -414,7 +337,6 @@ def sparse_mla_backward(
         float(softmax_scale),
         float(softmax_scale) * LOG2E,
         **common,
-        DV_SPLIT=dv_split,
     )
     _launch(
         _sparse_mla_bwd_dkv_kernel,
