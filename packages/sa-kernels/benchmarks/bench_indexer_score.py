@@ -81,7 +81,7 @@ def _bench_shape(batch: int, queries: int, groups: int, heads: int, dim: int, re
         "vs_gemm": round(gemm_ms / ms, 3),
         "reference_ms": round(ref_ms, 4),
         "vs_reference": round(ref_ms / ms, 2),
-        "config": triton_kernels.DEFAULT_CONFIG,
+        "config": triton_kernels.gpu_default_config(query.shape, queries, regions),
     }
     print(
         f"{row['name']:<20} {row['shape']:<34} {ms:>8.4f} ms {row['tflops']:>6.1f} TFLOP/s"

@@ -144,6 +144,15 @@ def test_resident_config_runs_the_tiles_kernel_where_tma_cannot_address_the_summ
     assert torch.equal(out, tiles)
 
 
+def test_gpu_default_is_the_resident_kernel_from_the_flops_where_its_launch_pays_off():
+    """Q 128 against 16384 regions (1.7e10 FLOPs: launch-bound on the H200) takes the tiles kernel; Q 2048 and
+    the Step-5 walk's merged tiles take the resident one."""
+    shape = (1, 4096, 4, 4, 256)
+    assert triton_kernels.gpu_default_config(shape, 128, 16384) == triton_kernels._TILES_CONFIG
+    assert triton_kernels.gpu_default_config(shape, 2048, 16384) == triton_kernels.DEFAULT_CONFIG
+    assert triton_kernels.gpu_default_config(shape, 4096, 4096) == triton_kernels.DEFAULT_CONFIG
+
+
 @pytest.mark.parametrize("cfg", triton_kernels.SWEEP_CONFIGS, ids=_config_id)
 def test_sweep_configs_at_their_gpu_block_sizes_match_the_reference(cfg):
     # The GPU default and its sweep rivals, interpreted: a run of tiles over both batches, padded heads, tails.

@@ -206,6 +206,22 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
 # The tiles kernel's config where "resident" cannot run on the GPU (D > 256, float32 query), and its previous default.
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
+# Calls below this many FLOPs run the tiles kernel: the H200's public calls (19:02 UTC) took 0.108 ms with the
+# resident kernel at 1.7e10 FLOPs (Q 128, R 16384), whose kernel alone ran 0.047 ms in the sweep, against
+# 0.061 ms with the tiles kernel, while at 2.7e11 (Q 2048) the resident call matched its sweep (0.604 ms vs 0.817
+# for tiles). Its launch (TMA descriptor arguments) costs about 0.1 ms on the host, so it pays off from about
+# 0.1 ms of tiles-kernel work (≈ 3.4e10 FLOPs at 340 TFLOP/s).
+RESIDENT_MIN_FLOPS = 4e10
+
+
+def gpu_default_config(query_shape: tuple[int, ...], n_q: int, regions: int) -> dict:
+    """The CUDA launch config for scoring `n_q` queries of a [B, Q, G, H, D] query against `regions` summaries:
+    DEFAULT_CONFIG from RESIDENT_MIN_FLOPS on, the tiles kernel below."""
+    batch, _, groups, heads, dim = query_shape
+    flops = 2 * batch * n_q * groups * heads * regions * dim
+    return dict(DEFAULT_CONFIG if flops >= RESIDENT_MIN_FLOPS else _TILES_CONFIG)
+
+
 _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
 # The default and its closest rivals in that sweep (TFLOP/s at Q 128 / Q 2048), for `bench_indexer_score.py --sweep`
 # to re-check on another GPU or Triton. All give the default's bits. (Dropped as clear losers: the persistent
@@ -342,10 +358,10 @@ def indexer_score_tile(
 ) -> torch.Tensor:
     """Writes `out` [B, G, stop − start, R]. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
 
-    The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel cannot
-    run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG` when
-    interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200 test on
-    such a layout, 2026-11-29 19:03 UTC, and was removed).
+    The GPU runs `gpu_default_config`, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
+    cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
+    when interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200
+    test on such a layout, 2026-11-29 19:03 UTC, and was removed).
     """
     n_q = stop - start
     if out.numel() == 0:
@@ -358,7 +374,7 @@ def indexer_score_tile(
     elif interpret:
         cfg = dict(_INTERPRET_CONFIG)
     else:
-        cfg = dict(DEFAULT_CONFIG)
+        cfg = gpu_default_config(query.shape, n_q, summary.shape[1])
     kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
     if resident and _launch_resident(
