@@ -206,11 +206,11 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
 # The tiles kernel's config where "resident" cannot run on the GPU (D > 256, float32 query), and its previous default.
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
-# Calls below this many FLOPs run the tiles kernel: the H200's public calls (19:02 UTC) took 0.108 ms with the
-# resident kernel at 1.7e10 FLOPs (Q 128, R 16384), whose kernel alone ran 0.047 ms in the sweep, against
-# 0.061 ms with the tiles kernel, while at 2.7e11 (Q 2048) the resident call matched its sweep (0.604 ms vs 0.817
-# for tiles). Its launch (TMA descriptor arguments) costs about 0.1 ms on the host, so it pays off from about
-# 0.1 ms of tiles-kernel work (≈ 3.4e10 FLOPs at 340 TFLOP/s).
+# Calls below this many FLOPs run the tiles kernel. Public calls on the H200 (19:02 UTC): at 1.7e10 FLOPs (Q 128,
+# R 16384) the resident kernel took 0.108 ms although the sweep timed the kernel itself at 0.047 ms, the tiles
+# kernel 0.061 ms; at 2.7e11 (Q 2048) the resident call matched its sweep (0.604 ms; tiles 0.817). So about 0.1 ms
+# per resident call sits outside the kernel (likely the host-side TMA descriptor launch; not diagnosed), and it
+# pays off from about 0.1 ms of tiles-kernel work (≈ 3.4e10 FLOPs at 340 TFLOP/s).
 RESIDENT_MIN_FLOPS = 4e10
 
 
