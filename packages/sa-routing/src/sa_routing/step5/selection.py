@@ -239,8 +239,9 @@ def _tile_topk(
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
         chosen = stable_topk(scores, topk)
-        best_scores = scores.gather(-1, chosen)
-        best_ids = ids[chosen] if ids.dim() == 1 else ids.gather(-1, chosen)
+        # 1-D ids are this chunk's regions, c0 + position; the last chunk's scores are not needed again
+        best_ids = chosen + c0 if ids.dim() == 1 else ids.gather(-1, chosen)
+        best_scores = scores.gather(-1, chosen) if c1 < r1 else None
         mark("topk")
     if method == "composite":
         assert best_scores is not None
