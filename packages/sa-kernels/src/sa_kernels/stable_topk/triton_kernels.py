@@ -12,7 +12,7 @@ tiles.
 
 Each step costs a pass over the row's registers, so long rows are first narrowed (`PREFILTER`): the
 maxima of `MAXIMA` strided groups of the row give a bound `b` (the k-th largest maximum; at least k
-keys reach it, so every kept key does), the keys reaching `b` (about 1.4·k on random rows) are
+keys reach it, so every kept key does), the keys reaching `b` (1.1–1.4·k on normal random rows) are
 compacted in position order into the output row's own memory (2k int32 slots), and the walk runs over
 those. A row with more survivors than slots (heavy ties) takes the whole-row walk.
 One or two reads of the row, k writes, no workspace in memory, no host sync.
