@@ -41,7 +41,7 @@ def _config_name(cfg: dict) -> str:
     if cfg.get("KERNEL") == "resident":
         return (
             f"resident {cfg['BLOCK_M']}x{cfg['BLOCK_R']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            f" x{cfg.get('PER_SM', 1)}/SM{'+tma' if cfg.get('TMA') else ''}"
+            f" x{cfg.get('PER_SM', 1)}/SM"
         )
     return f"tiles {cfg['BLOCK_M']}x{cfg['BLOCK_R']}x{cfg['BLOCK_D']} w{cfg['num_warps']} s{cfg['num_stages']}"
 

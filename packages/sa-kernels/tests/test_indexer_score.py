@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 from triton.runtime.errors import OutOfResources
 
 from sa_kernels import indexer_score_tile, round_to_e4m3
@@ -266,22 +267,34 @@ def test_cuda_sweep_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
 
 
-RESIDENT_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if "KERNEL" in cfg]
+RESIDENT_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if cfg.get("KERNEL") == "resident"]
+# (batch, queries, groups, heads, dim, regions): the benchmark's geometry, 16 heads of 128 dims (8 queries per
+# block), and 3 heads of 104 dims (padded heads; D padded to 128 by one kernel and masked by the other; 208-byte
+# rows, so TMA still applies).
+BIT_IDENTITY_SHAPES = [(1, 200, 4, 4, 256, 1008), (1, 60, 1, 16, 128, 700), (2, 90, 2, 3, 104, 333)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", BIT_IDENTITY_SHAPES, ids=lambda s: "B{}-Q{}-G{}-H{}-D{}-R{}".format(*s)
+)
 @pytest.mark.parametrize("cfg", RESIDENT_CONFIGS, ids=_config_id)
-def test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit(cfg):
-    # Same products in the same k order (the resident kernel: one dot over D instead of four chained 64-wide
-    # dots) and the same epilogue code: the same bits as the tiles kernel, the default before the 18:56 sweep.
-    # (Resident 128 x 32 and 256 x 64 changed bits on the H200: they are not sweep configs.)
-    query, weights, summary = _inputs(1, 200, 4, 4, 256, 1008, device="cuda", seed=4)
-    tiles = torch.full((1, 4, 128, 1008), float("nan"), device="cuda")
+def test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit(cfg, shape):
+    # Same products in the same k order (the resident kernel: one dot over D instead of chained 64-wide dots;
+    # padded dims add exact zeros) and the same epilogue code: the same bits as the tiles kernel, measured on
+    # the H200 at the first shape (18:56 UTC). Which kernel runs depends on a call's FLOPs, so the bits must not.
+    # (Resident 128 x 32 and 256 x 64 changed bits there: they are not sweep configs.)
+    batch, queries, groups, heads, dim, regions = shape
+    query, weights, summary = _inputs(*shape, device="cuda", seed=4)
+    start, stop = 16, min(queries, 144)
+    tiles = torch.full((batch, groups, stop - start, regions), float("nan"), device="cuda")
     triton_kernels.indexer_score_tile(
-        query, weights, summary, 16, 144, tiles, _config=triton_kernels._TILES_CONFIG
+        query, weights, summary, start, stop, tiles, _config=triton_kernels._TILES_CONFIG
     )
     out = torch.full_like(tiles, float("nan"))
-    _run_or_skip(query, weights, summary, 16, 144, out, cfg)
+    padded_dim = max(16, triton.next_power_of_2(dim))
+    assert triton_kernels._summary_descriptor(summary, cfg["BLOCK_R"], padded_dim)[0] is not None
+    _run_or_skip(query, weights, summary, start, stop, out, cfg)
     assert not out.isnan().any()
     assert torch.equal(out, tiles), f"max difference {(out - tiles).abs().max().item():.3g}"
 
@@ -291,15 +304,18 @@ def test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit(cfg):
     "dtype", [torch.bfloat16, torch.float32], ids=["bf16-tiles-fallback", "fp32-tiles"]
 )
 def test_cuda_default_on_a_summary_tma_cannot_address_matches_reference(dtype):
-    # Batch rows 1000 x 256 + 8 elements apart: no 2-D descriptor spans both batches, so bf16 runs the tiles
-    # kernel (the resident kernel's pointer loads failed here on the H200 and were removed), as does float32.
+    # Batch rows 1000 x 256 + 8 elements apart: no 2-D descriptor spans both batches, so the resident default
+    # (asked for explicitly: this call is below RESIDENT_MIN_FLOPS) falls back to the tiles kernel (its
+    # pointer loads failed here on the H200 and were removed), as does float32.
     query, weights, _ = _inputs(2, 150, 4, 4, 256, 1000, dtype, device="cuda", seed=13)
     gen = torch.Generator().manual_seed(14)
     flat = round_to_e4m3(torch.randn(2 * 1000 * 256 + 8, generator=gen).to(dtype)).cuda()
     summary = flat.as_strided((2, 1000, 256), (1000 * 256 + 8, 256, 1))
     assert triton_kernels._summary_descriptor(summary, 64, 256) == (None, 0)
     out = torch.full((2, 4, 128, 1000), float("nan"), device="cuda")
-    indexer_score_tile(query, weights, summary, 9, 137, out=out)
+    triton_kernels.indexer_score_tile(
+        query, weights, summary, 9, 137, out, _config=triton_kernels.DEFAULT_CONFIG
+    )
     expected = reference.indexer_score_tile(query, weights, summary, 9, 137)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
     tiles = torch.full_like(out, float("nan"))
@@ -311,19 +327,19 @@ def test_cuda_default_on_a_summary_tma_cannot_address_matches_reference(dtype):
 
 @pytest.mark.gpu
 def test_cuda_default_matches_reference_on_a_step5_like_tile_with_a_summary_slice():
-    # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries.
-    query, weights, summary = _inputs(1, 700, 4, 4, 256, 5000, device="cuda", seed=6)
+    # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries, above
+    # RESIDENT_MIN_FLOPS: the public call runs the resident kernel.
+    query, weights, summary = _inputs(1, 1400, 4, 4, 256, 5000, device="cuda", seed=6)
     part = summary[:, 333:4461]
-    got = indexer_score_tile(query, weights, part, 0, 700)
-    expected = reference.indexer_score_tile(query, weights, part, 0, 700)
+    chosen = triton_kernels.gpu_default_config(query.shape, 1400, part.shape[1])
+    assert chosen.get("KERNEL") == "resident"
+    got = indexer_score_tile(query, weights, part, 0, 1400)
+    expected = reference.indexer_score_tile(query, weights, part, 0, 1400)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
 
 
-TMA_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if cfg.get("KERNEL") == "resident"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("cfg", RESIDENT_CONFIGS, ids=_config_id)
 def test_cuda_tma_configs_read_a_two_batch_summary_slice_through_one_descriptor(cfg):
     # Batch rows 1000 apart, the slice starts 5 rows in: the descriptor spans both batches, tails read zeros.
     # (128 queries and 992 regions: multiples of 16, so this reuses the sweep test's compilations.)

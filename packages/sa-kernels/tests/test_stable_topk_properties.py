@@ -42,3 +42,31 @@ def test_every_path_equals_the_stable_sort(case, output_tile, prefilter):
     assert torch.equal(stable_topk(scores, k, backend="reference"), expected)
     config = LaunchConfig(output_tile=output_tile, prefilter=prefilter)
     assert torch.equal(stable_topk_rows(scores, k, _config=config), expected)
+
+
+@st.composite
+def narrowable_rows(draw):
+    """Rows the prefilter applies to (a block of at least 4 entries per maximum, 2k <= maxima):
+    continuous scores (mostly narrowed) or a few tied values with specials (mostly the fallback)."""
+    maxima = draw(st.sampled_from([8, 16, 32]))
+    n = draw(st.integers(3 * maxima + 1, 300))
+    k = draw(st.integers(1, maxima // 2))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    scores = torch.randn(3, n, generator=generator)
+    if draw(st.booleans()):
+        palette = torch.tensor(SPECIALS + torch.randn(4, generator=generator).tolist())
+        scores[1] = palette[torch.randint(len(palette), (n,), generator=generator)]
+    if draw(st.booleans()):
+        scores[2, : draw(st.integers(0, n))] = float("-inf")
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return scores.to(dtype), k, maxima
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=narrowable_rows(), output_tile=st.sampled_from([0, 32]))
+def test_prefiltered_rows_equal_the_stable_sort(case, output_tile):
+    scores, k, maxima = case
+    config = LaunchConfig(output_tile=output_tile, prefilter=maxima)
+    assert torch.equal(
+        stable_topk_rows(scores, k, _config=config), reference.stable_topk(scores, k)
+    )

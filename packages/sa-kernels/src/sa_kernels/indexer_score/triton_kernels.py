@@ -5,14 +5,16 @@ scales by the head weights and sums each query's heads in registers before stori
 `HP` is heads_per_group rounded up to a power of two; padded heads load zeros and weight 0.
 
 Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
-- "resident" (the default on the GPU): a fixed number of programs ("PER_SM" per SM), each walking a contiguous run
-  of tiles in (batch·group, query block, region block) order. A program loads its `[BLOCK_M, D]` query rows once
+- "resident" (the GPU default for calls of at least RESIDENT_MIN_FLOPS): a fixed number of programs ("PER_SM" per
+  SM), each walking a contiguous run of tiles in (batch·group, query block, region block) order. A program loads its `[BLOCK_M, D]` query rows once
   per query block and streams only the summaries through a Hopper TMA descriptor: at BLOCK_M 128 it reads half the
   bytes per FLOP of "tiles". One dot over all of D (padded to a power of two, at most 256; 2-byte queries on the GPU).
 - "tiles": one program per output tile, D walked in `BLOCK_D` steps; both operands reloaded for every tile. It runs
   where "resident" cannot (D > 256, float32 query on the GPU, a summary layout TMA cannot address: 16-byte aligned
   base and row stride, a batch stride that is a whole number of rows) and under the interpreter.
-Both accumulate the products in the same k order and share the epilogue, so they give the same bits.
+Both accumulate the products in the same k order and share the epilogue; their bits were equal on the H200 (the
+gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters because which one runs
+depends on a call's size.
 """
 
 import torch

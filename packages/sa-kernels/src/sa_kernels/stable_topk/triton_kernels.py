@@ -105,7 +105,6 @@ def _stable_topk_kernel(
     OUTPUT_TILE: tl.constexpr,
     PREFILTER: tl.constexpr,
     MAXIMA: tl.constexpr,
-    SURVIVORS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_scores = scores_ptr + row * stride_row
@@ -123,7 +122,7 @@ def _stable_topk_kernel(
             slot = tl.cumsum(survive.to(tl.int32), axis=0) - 1
             tl.store(row_slots + slot, offsets, mask=survive)
             tl.debug_barrier()  # the compacted positions are visible to every thread of the program
-            j = tl.arange(0, SURVIVORS)
+            j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
             present = j < survivors
             positions = tl.load(row_slots + j, mask=present, other=0)
             narrow_keys = tl.where(present, _order_keys(row_scores, positions, n), 0)
@@ -153,18 +152,31 @@ class LaunchConfig:
     prefilter: int = 0
 
 
-def default_config(block: int) -> LaunchConfig:
+def default_config(block: int, k: int) -> LaunchConfig:
     """The H200 sweeps' best (`bench_stable_topk.py --sweep`, 2026-11-29 18:52 UTC, FP32 rows, k 512):
-    the output phase in 2048-entry tiles above 2048 entries and the prefilter from 4096 entries;
-    4 warps, 16 for 32768 entries. Against the whole-row walk of 18:29 UTC: 32768 entries 0.595 ms
-    (was 1.533), 16384: 0.278 (0.461), 4096: 0.115 (0.179)."""
+    the output phase in 2048-entry tiles for blocks above 2048 entries, the prefilter (1024 maxima) for
+    blocks of 4096 entries or more, and 4 warps; for 32768-entry blocks 16 warps and 2048 maxima.
+    Against the whole-row walk of 18:29 UTC: 32768 entries 0.595 ms (was 1.533), 16384: 0.278
+    (0.461), 4096: 0.115 (0.179). A k above half the maxima takes the next power of two of 2k maxima
+    where the block still holds 4 entries per maximum (not timed), else no prefilter."""
     if block >= 32768:
-        return LaunchConfig(num_warps=16, output_tile=2048, prefilter=2048)
+        return LaunchConfig(num_warps=16, output_tile=2048, prefilter=max(2048, _pow2(2 * k)))
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,
-        prefilter=1024 if block >= 4096 else 0,
+        prefilter=max(1024, _pow2(2 * k)) if block >= 4096 else 0,
     )
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(x)
+
+
+def _prefilter_maxima(config: LaunchConfig, block: int, k: int) -> int:
+    """The maxima the launch narrows with, or 0 where the prefilter does not apply (a block of fewer
+    than 4 entries per maximum, or more than half as many kept entries as maxima)."""
+    maxima = config.prefilter
+    return maxima if maxima > 0 and block >= 4 * maxima and 2 * k <= maxima else 0
 
 
 def stable_topk_rows(
@@ -183,9 +195,8 @@ def stable_topk_rows(
     if rows == 0:
         return out
     block = max(16, triton.next_power_of_2(n))
-    config = _config or default_config(block)
-    maxima = config.prefilter
-    prefilter = maxima > 0 and block >= 4 * maxima and 2 * k <= maxima
+    config = _config or default_config(block, k)
+    maxima = _prefilter_maxima(config, block, k)
     _stable_topk_kernel[(rows,)](
         scores,
         out,
@@ -196,9 +207,8 @@ def stable_topk_rows(
         out.stride(0),
         BLOCK_N=block,
         OUTPUT_TILE=min(config.output_tile, block),
-        PREFILTER=prefilter,
+        PREFILTER=maxima > 0,
         MAXIMA=max(maxima, 1),
-        SURVIVORS=max(maxima, 1),
         num_warps=config.num_warps,
     )
     return out
