@@ -6,7 +6,12 @@ import triton
 
 from sa_kernels import stable_topk
 from sa_kernels.stable_topk import reference
-from sa_kernels.stable_topk.triton_kernels import LaunchConfig, stable_topk_rows
+from sa_kernels.stable_topk.triton_kernels import (
+    LaunchConfig,
+    _prefilter_maxima,
+    default_config,
+    stable_topk_rows,
+)
 
 
 def _tied_scores(shape, dtype, seed, device="cpu"):
@@ -182,3 +187,22 @@ def test_workspace_bytes_follow_the_path_that_runs():
     assert torch_path >= 5  # int32 keys and a boolean mask at least
     assert stable_topk_workspace_bytes(TRITON_MAX_ROW + 1, torch.float32, "cuda") == torch_path
     assert stable_topk_workspace_bytes(100, torch.float64, "cuda") == torch_path
+
+
+@pytest.mark.parametrize(
+    ("block", "k", "maxima"),
+    [
+        (2048, 64, 0),
+        (4096, 512, 1024),
+        (16384, 512, 1024),
+        (16384, 1000, 2048),
+        (32768, 512, 2048),
+        (32768, 2048, 4096),
+        (4096, 1000, 0),
+    ],
+    ids=lambda v: str(v),
+)
+def test_default_launch_narrows_long_rows_with_maxima_sized_from_k(block, k, maxima):
+    """The H200-measured defaults (k 512) and their extension to larger k: 2k maxima rounded up to a
+    power of two, only where the block holds 4 entries per maximum."""
+    assert _prefilter_maxima(default_config(block, k), block, k) == maxima
