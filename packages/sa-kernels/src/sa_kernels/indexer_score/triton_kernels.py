@@ -25,7 +25,7 @@ from sa_kernels.backend import triton_interpret
 
 try:  # Triton >= 3.4: host-side TMA descriptors (also run by the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: the pointer path only
+except ImportError:  # pragma: no cover - older Triton: the tiles kernel only
     TensorDescriptor = None
 
 
@@ -206,7 +206,8 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 # 457.7 at Q 2048, against 289 and 339.1 for the tiles kernel at 128 × 128 × 64 (1.31× over both shapes, same bits).
 # Shared memory: the query rows ([128, 256] bf16, 64 KiB) and 3 summary blocks of [64, 256] (32 KiB each).
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
-# The tiles kernel's config where "resident" cannot run on the GPU (D > 256, float32 query), and its previous default.
+# The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring and
+# RESIDENT_MIN_FLOPS); the default before the 18:56 sweep.
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
 # Calls below this many FLOPs run the tiles kernel. Public calls on the H200 (19:02 UTC): at 1.7e10 FLOPs (Q 128,
 # R 16384) the resident kernel took 0.108 ms although the sweep timed the kernel itself at 0.047 ms, the tiles

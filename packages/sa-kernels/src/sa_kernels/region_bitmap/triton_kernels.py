@@ -8,11 +8,11 @@ L2, so HBM sees each word about once.
 Why it is fast: each row is read from the 16-byte boundary at or below its start (`ALIGN`; the up-to-3 ids of the
 previous row count as non-members), so the ids come in 16-byte vectors and each thread ORs 4 contiguous slots in
 registers before the warp-level part of the scan (~480 SASS instructions per 512-slot step against ~820 with one
-slot per thread). The row is scanned in `BLOCK_S` steps that stop short of its last slot, then one masked tail
+slot per thread, counted in an offline sm_90 compile). The row is scanned in `BLOCK_S` steps that stop short of its last slot, then one masked tail
 step; the next slot's word comes from registers (`tl.gather`), and the word open at a step's end seeds the next
 step's first slot. The masks go out through `tl.store`, which converts the scan's 4-slots-per-thread layout to
-one slot per thread through shared memory: one warp store then spans ~32 words of the row instead of ~128, about
-77 L2 sector writes per row of 513 ids instead of ~220. Storing straight from the scan's registers with inline
+one slot per thread through shared memory: one warp store then spans ~32 words of the row instead of ~128 (by a
+simulation, not a measurement: about 77 L2 sector writes per row of 513 ids instead of ~220). Storing straight from the scan's registers with inline
 PTX skipped that round trip but paid the writes: 0.1223 ms (0.52x copy) against the default's 0.0967 ms.
 
 H200, 2026-11-29 18:56 UTC, [1, 4, 16384, 513] sorted ids, 16384 regions: 0.0967 ms = 0.66x the device-to-device

@@ -10,7 +10,7 @@ position its output slot, so positions come out ascending without a sort: over t
 from the registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts carried between
 tiles.
 
-Each step costs a pass over the row's registers, so long rows are first narrowed (`PREFILTER`): the
+Each step costs a pass over the row's registers, so long rows are first narrowed (`MAXIMA` > 0): the
 maxima of `MAXIMA` strided groups of the row give a bound `b` (the k-th largest maximum; at least k
 keys reach it, so every kept key does), the keys reaching `b` (1.1–1.4·k on normal random rows) are
 compacted in position order into the output row's own memory (2k int32 slots), and the walk runs over
@@ -103,7 +103,6 @@ def _stable_topk_kernel(
     stride_out,
     BLOCK_N: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
-    PREFILTER: tl.constexpr,
     MAXIMA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -111,7 +110,7 @@ def _stable_topk_kernel(
     row_out = out_ptr + row * stride_out
     offsets = tl.arange(0, BLOCK_N)
     keys = _order_keys(row_scores, offsets, n)
-    if PREFILTER:
+    if MAXIMA > 0:  # the prefilter
         # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
         maxima = tl.max(tl.reshape(keys, [BLOCK_N // MAXIMA, MAXIMA]), axis=0)
         bound = _kth_key(maxima, k)
@@ -160,16 +159,14 @@ def default_config(block: int, k: int) -> LaunchConfig:
     (0.461), 4096: 0.115 (0.179). A k above half the maxima takes the next power of two of 2k maxima
     where the block still holds 4 entries per maximum (not timed), else no prefilter."""
     if block >= 32768:
-        return LaunchConfig(num_warps=16, output_tile=2048, prefilter=max(2048, _pow2(2 * k)))
+        return LaunchConfig(
+            num_warps=16, output_tile=2048, prefilter=max(2048, triton.next_power_of_2(2 * k))
+        )
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,
-        prefilter=max(1024, _pow2(2 * k)) if block >= 4096 else 0,
+        prefilter=max(1024, triton.next_power_of_2(2 * k)) if block >= 4096 else 0,
     )
-
-
-def _pow2(x: int) -> int:
-    return triton.next_power_of_2(x)
 
 
 def _prefilter_maxima(config: LaunchConfig, block: int, k: int) -> int:
@@ -207,8 +204,7 @@ def stable_topk_rows(
         out.stride(0),
         BLOCK_N=block,
         OUTPUT_TILE=min(config.output_tile, block),
-        PREFILTER=maxima > 0,
-        MAXIMA=max(maxima, 1),
+        MAXIMA=maxima,
         num_warps=config.num_warps,
     )
     return out
