@@ -10,7 +10,9 @@ D 256 with 2048 + tail, one route shared by the groups) and two route structures
     block-flex          compiled flex_attention over the clustered routes' 128×128 tiles with a
                         causal mask_mod (the issue's baseline: block-aligned, same key count, no
                         per-token bitmap)
-    <kind>-flex         our route BlockMask (bitmap mask_mod) through sparse_gqa_attention
+    <kind>-flex         our route BlockMask through sparse_gqa_attention (clustered routes: whole
+                        tiles plus exact causal cuts, so the arithmetic causal mask_mod)
+    clustered-flex-bitmap  the clustered routes less one pair: the bitmap mask_mod on the same tiles
     <kind>-gather       the Triton gather kernels
     <kind>-auto         backend="auto" (the chosen backend is printed)
 
@@ -200,6 +202,20 @@ def _routes(kind, route_heads, length, block, keys, gen):
     )
 
 
+def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
+    """The clustered routes less one pair (the last query's own key): one partial tile stops being an
+    exact causal cut, so every partial tile takes the bitmap mask_mod. Measures that path on routes
+    the causal mask_mod would otherwise serve."""
+    ids = ids.clone()
+    ids[..., -1, :] = torch.where(ids[..., -1, :] == ids.shape[-2] - 1, -1, ids[..., -1, :])
+    mask = build_route_block_mask(ids, inputs[1].shape[1], inputs[0].shape[2], build_flex=True)
+    assert mask.statistics.causal_offset is None
+    fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask)
+    result = _try(f"clustered-flex-bitmap {shape}", _bench, fn, inputs, grad)
+    if result is not None:
+        table.add("clustered-flex-bitmap", shape, *result, pairs, dim, {"mask_mod": "bitmap"})
+
+
 def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
     name, hq, hkv, dim, per_group, block, keys = geometry
     shape = f"S{length}-{name}"
@@ -231,9 +247,12 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
             "mean_keys": round(int(mask.counts.sum()) / (route_heads * length), 1),
             "mask_build_ms": round((time.perf_counter() - start) * 1e3, 1),
         }
+        if mask.statistics is not None:
+            info["mask_mod"] = "bitmap" if mask.statistics.causal_offset is None else "causal"
         pairs = int(mask.counts.sum()) * (hq // route_heads)
         if kind == "clustered":
             _block_baseline(table, shape, (q, k, v), grad, mask, pairs, dim)
+            _bitmap_flex(table, shape, ids, (q, k, v), grad, pairs, dim)
         backends = (["flex"] if with_flex else []) + ["gather", "auto"]
         for backend in backends:
             fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)

@@ -15,7 +15,12 @@ from sa_kernels.sparse_gqa import (
     flex_kernel_options,
     sparse_gqa_attention,
 )
-from sa_kernels.sparse_gqa.block_mask import FLEX_MIN_OCCUPANCY, TILE, tile_pair_counts
+from sa_kernels.sparse_gqa.block_mask import (
+    FLEX_MIN_OCCUPANCY,
+    TILE,
+    _causal_tile_area,
+    tile_pair_counts,
+)
 from sa_kernels.sparse_gqa.reference import (
     dense_route_mask,
     route_membership,
@@ -197,9 +202,58 @@ def test_route_block_mask_membership_matches_oracle_mask(queries, kv_length, kin
     membership, mod = _flex_membership(mask, batch)
     oracle = dense_route_mask(ids, kv_length, query_heads if per_group else 1)
     assert torch.equal(membership, oracle)
-    assert torch.equal(mod, oracle)  # mask_mod alone is exact, also inside full tiles
+    causal_offset = mask.statistics.causal_offset
+    if kind == "clustered":  # whole tiles plus the causal cut of the own tile: arithmetic mask_mod
+        assert causal_offset == kv_length - queries
+    else:
+        assert causal_offset is None
+        assert torch.equal(mod, oracle)  # the bitmap mask_mod alone is exact, also in full tiles
     if kind == "clustered" and queries % 128 == 0:
         assert mask.flex.full_kv_num_blocks.sum() > 0  # block-aligned runs become full tiles
+
+
+@pytest.mark.parametrize(
+    ("queries", "kv_length", "offset"),
+    [(300, 300, 0), (200, 461, 261), (130, 700, 256), (1, 5, 4), (129, 129, -40), (64, 64, 7)],
+)
+def test_causal_tile_area_counts_pairs_on_or_below_the_causal_line(queries, kv_length, offset):
+    q = torch.arange(queries).view(-1, 1)
+    kv = torch.arange(kv_length).view(1, -1)
+    dense = (kv <= q + offset).long()
+    q_tiles, kv_tiles = -(-queries // TILE), -(-kv_length // TILE)
+    dense = torch.nn.functional.pad(
+        dense, (0, kv_tiles * TILE - kv_length, 0, q_tiles * TILE - queries)
+    )
+    expected = dense.view(q_tiles, TILE, kv_tiles, TILE).sum(dim=(1, 3))
+    assert torch.equal(_causal_tile_area(queries, kv_length, torch.tensor(offset)), expected)
+
+
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+@pytest.mark.parametrize(
+    ("queries", "kv_length", "shard_start"), [(300, 300, 0), (200, 600, 256), (150, 600, 301)]
+)
+def test_causal_routes_get_the_arithmetic_mask_mod_and_one_missing_pair_the_bitmap(
+    queries, kv_length, shard_start, per_group
+):
+    """Dense causal rows (also a context-parallel shard in the middle of the keys: query i at key
+    shard_start + i) are full tiles plus exact causal cuts; removing one pair of a cut tile, or one
+    whole row, must fall back to the bitmap (both stay exact)."""
+    route_heads = 2 if per_group else 1
+    pos = shard_start + torch.arange(queries).view(-1, 1)
+    ids = torch.arange(kv_length).view(1, -1).expand(queries, -1)
+    ids = torch.where(ids <= pos, ids, -1).to(torch.int32)
+    ids = ids.expand(1, route_heads, queries, kv_length).clone()
+    ids = ids if per_group else ids[:, 0]
+    for case in ("causal", "missing-pair", "empty-row"):
+        if case == "missing-pair":
+            ids[..., queries - 1, pos[queries - 1, 0]] = -1  # the last row's own key
+        if case == "empty-row":
+            ids[..., 0, :] = -1
+        mask = build_route_block_mask(ids, kv_length, 4)
+        membership, _ = _flex_membership(mask, 1)
+        assert torch.equal(membership, dense_route_mask(ids, kv_length, 4 if per_group else 1))
+        expected = shard_start if case == "causal" else None
+        assert mask.statistics.causal_offset == expected, case
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -442,6 +496,7 @@ def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
             (64 + 2 * 3 * 32) * 256
         )
     assert flex_kernel_options(256, torch.bfloat16, "cuda") is None
+    assert flex_kernel_options(128, torch.bfloat16, "cuda", bitmap_mask=False) is None
     assert flex_kernel_options(128, torch.float32, "cuda") is None
     assert flex_kernel_options(128, torch.bfloat16, "cpu") is None
     assert flex_kernel_options(128, torch.bfloat16, "cuda", capability=(8, 0)) is None

@@ -12,9 +12,9 @@ Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
 - "tiles": one program per output tile, D walked in `BLOCK_D` steps; both operands reloaded for every tile. It runs
   where "resident" cannot (D > 256, float32 query on the GPU, a summary layout TMA cannot address: 16-byte aligned
   base and row stride, a batch stride that is a whole number of rows) and under the interpreter.
-Both accumulate the products in the same k order and share the epilogue; their bits were equal on the H200 (the
-gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters because which one runs
-depends on a call's size.
+Both accumulate the products in the same k order and share the epilogue; their bits were equal on the H200 where
+D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters
+because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
 
 import torch

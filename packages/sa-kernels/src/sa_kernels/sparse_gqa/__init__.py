@@ -9,9 +9,11 @@ Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 confi
 head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) needed 256–368 KiB of shared
 memory with the route `mask_mod` (227 KiB available; measured 2026-11-29, docs/benchmarks.md), while
 head_dim 256 compiled with its 64×64, 2-stage defaults. `flex_kernel_options` therefore pins, for
-head_dim <= 128 (16-bit inputs on CUDA), the fastest configuration of an H200 sweep that fits: forward
-128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps. Every tile divides the
-128-wide route tiles, as Flex requires (its BlockMask block size must be a multiple of the kernel's).
+head_dim <= 128 (16-bit inputs on CUDA) and the bitmap mask_mod, the fastest configuration of an H200
+sweep that fits: forward 128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps.
+Every tile divides the 128-wide route tiles, as Flex requires (its BlockMask block size must be a
+multiple of the kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults,
+which is what a block-aligned causal Flex mask compiles to.
 """
 
 import functools
@@ -97,14 +99,24 @@ def flex_kernel_options(
     dtype: torch.dtype,
     device_type: str,
     capability: tuple[int, int] | None = (9, 0),
+    *,
+    bitmap_mask: bool = True,
 ) -> dict | None:
     """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
 
-    16-bit inputs on an sm_90 GPU (`capability` (9, 0)) with head_dim <= 128 get 128×64 / 64×128
-    tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of shared memory); head_dim > 128, FP32, CPU
-    and other GPU generations keep torch's defaults.
+    With the bitmap mask_mod (`bitmap_mask`; False: the arithmetic causal one, see
+    `RouteBlockMask.statistics.causal_offset`), 16-bit inputs on an sm_90 GPU (`capability` (9, 0))
+    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of
+    shared memory); the causal mask_mod, head_dim > 128, FP32, CPU and other GPU generations keep
+    torch's defaults.
     """
-    if device_type != "cuda" or dtype == torch.float32 or head_dim > 128 or capability != (9, 0):
+    if (
+        not bitmap_mask
+        or device_type != "cuda"
+        or dtype == torch.float32
+        or head_dim > 128
+        or capability != (9, 0)
+    ):
         return None
     return dict(_SMALL_HEAD_FLEX_OPTIONS)
 
@@ -329,7 +341,11 @@ def sparse_gqa_attention(
         options = _flex_options
         if options is None:
             options = flex_kernel_options(
-                query.shape[-1], query.dtype, query.device.type, _cuda_capability(query.device)
+                query.shape[-1],
+                query.dtype,
+                query.device.type,
+                _cuda_capability(query.device),
+                bitmap_mask=block_mask.tile_statistics().causal_offset is None,
             )
         return _flex(_compiled_flex(), query, key, value, block_mask, scale, options)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))

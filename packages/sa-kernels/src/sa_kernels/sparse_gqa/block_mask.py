@@ -1,9 +1,14 @@
 """`build_route_block_mask`: route membership as a FlexAttention `BlockMask`, built once per routes.
 
 Tiles are 128×128 (query tile × key tile). A tile whose every (query, key) pair is selected is *full*
-(Flex skips the mask there); a tile with some pairs is *partial*: it gets a 128×128 bitmap (2 KiB)
-and Flex's `mask_mod` reads one bit (a slot table lookup, then one word; int64 flat offsets). Memory
-is O(partial tiles), never a dense [queries, kv_length] bool mask. The tile counts also give the
+(Flex skips the mask there); a tile with some pairs is *partial*. Two kinds of `mask_mod`:
+- *causal*: when every partial tile is exactly the causal cut (key ≤ query position) of its tile, the
+  common shape of routes made of whole tiles plus the query's own diagonal tile, the mask_mod is
+  `q + offset >= kv`: arithmetic only, the same kernel a block-aligned causal Flex mask compiles to;
+- *bitmap* otherwise: each partial tile gets a 128×128 bitmap (2 KiB) and the `mask_mod` reads one
+  bit (a slot table lookup, then one word; int64 flat offsets). Those per-element loads cost: on the
+  H200 they made clustered routes 0.73× a block-aligned causal mask (docs/benchmarks.md).
+Memory is O(partial tiles), never a dense [queries, kv_length] bool mask. The tile counts also give the
 *occupancy* (selected pairs / area of the touched tiles). The gather path needs only the canonical
 routes: build with `build_flex=False` when Flex will not run.
 """
@@ -32,6 +37,9 @@ class TileStatistics:
     touched_area: int
     selected_pairs: int
     partial_tiles: int
+    # q + causal_offset is every query row's position in key coordinates when each partial tile is the
+    # exact causal cut of its tile (the cheap `mask_mod`); None when some partial tile is not.
+    causal_offset: int | None = None
 
     @property
     def occupancy(self) -> float:
@@ -66,7 +74,7 @@ class RouteBlockMask:
         """The tile counts: the build's, or computed now from the routes (one host sync)."""
         if self.statistics is not None:
             return self.statistics
-        return _tile_masks(self.routes, self.kv_length)[2]
+        return _tile_masks(self.routes, self.counts, self.kv_length)[2]
 
     @property
     def occupancy(self) -> float:
@@ -219,15 +227,19 @@ def build_route_block_mask(
     routes, counts = canonical_routes(routes4, kv_length)
     if build_flex is False:
         return RouteBlockMask(routes, counts, kv_length, query_heads)
-    full, partial, statistics = _tile_masks(routes, kv_length)
+    full, partial, statistics = _tile_masks(routes, counts, kv_length)
     flex = None
     if build_flex or statistics.occupancy >= FLEX_MIN_OCCUPANCY:
         from torch.nn.attention.flex_attention import BlockMask
 
-        slots = torch.where(full, _FULL, -1).to(torch.int32)
-        order = torch.cumsum(partial.reshape(-1), 0, dtype=torch.int32).view_as(slots) - 1
-        slots = torch.where(partial, order, slots)
-        bits = partial_tile_bitmaps(routes, kv_length, slots, statistics.partial_tiles)
+        if statistics.causal_offset is not None:
+            mask_mod = causal_mask_mod(statistics.causal_offset)
+        else:
+            slots = torch.where(full, _FULL, -1).to(torch.int32)
+            order = torch.cumsum(partial.reshape(-1), 0, dtype=torch.int32).view_as(slots) - 1
+            slots = torch.where(partial, order, slots)
+            bits = partial_tile_bitmaps(routes, kv_length, slots, statistics.partial_tiles)
+            mask_mod = route_mask_mod(slots, bits, query_heads)
         kv_num, kv_idx = _blocks_first(partial)
         full_num, full_idx = _blocks_first(full)
         if route_heads > 1:
@@ -241,20 +253,64 @@ def build_route_block_mask(
             full_num,
             full_idx,
             BLOCK_SIZE=TILE,
-            mask_mod=route_mask_mod(slots, bits, query_heads),
+            mask_mod=mask_mod,
             seq_lengths=(routes.shape[2], kv_length),
         )
     return RouteBlockMask(routes, counts, kv_length, query_heads, flex, statistics)
 
 
+def causal_mask_mod(offset: int):
+    """Flex `mask_mod` for partial tiles that are exact causal cuts: query row q sits at key q + offset."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return mask_mod
+
+
+def _causal_offset(routes: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """0-d int64: max over non-empty rows of (largest selected id − row index). Every selected pair then
+    has key ≤ row + offset; rows that select their own position pin it."""
+    queries = routes.shape[2]
+    largest = routes.gather(-1, (counts.long() - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    lead = largest.long() - torch.arange(queries, device=routes.device)
+    return torch.where(counts > 0, lead, -queries).amax()
+
+
+def _causal_tile_area(queries: int, kv_length: int, offset: torch.Tensor) -> torch.Tensor:
+    """int64 [query_tiles, kv_tiles]: pairs (q, kv) of each tile with kv <= q + offset (offset 0-d)."""
+    device = offset.device
+    r0 = torch.arange(0, queries, TILE, device=device)[:, None]
+    c0 = torch.arange(0, kv_length, TILE, device=device)[None, :]
+    rows = (queries - r0).clamp(max=TILE)
+    width = (kv_length - c0).clamp(max=TILE)
+
+    def below(x):  # Σ_{0 <= j < x} min(j, width): the row counts clamp(a + i, 0, width) summed
+        x = x.clamp(min=0)
+        ramp = x * (x - 1) // 2
+        flat = width * (width + 1) // 2 + (x - width - 1) * width
+        return torch.where(x <= width + 1, ramp, flat)
+
+    first = r0 + offset + 1 - c0  # keys the tile's first row sees in this tile, before clamping
+    return below(first + rows) - below(first)
+
+
 def _tile_masks(
-    routes: torch.Tensor, kv_length: int
+    routes: torch.Tensor, counts: torch.Tensor, kv_length: int
 ) -> tuple[torch.Tensor, torch.Tensor, TileStatistics]:
     """Full and partial tiles (bool [batch, route_heads, query_tiles, kv_tiles]) and their counts."""
     pairs = tile_pair_counts(routes, kv_length)
-    area = _tile_area(routes.shape[2], kv_length, routes.device)
+    queries = routes.shape[2]
+    area = _tile_area(queries, kv_length, routes.device)
     touched = pairs > 0
     full = pairs == area
     partial = touched & ~full
-    stats = torch.stack([touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum()])
-    return full, partial, TileStatistics(*stats.tolist())  # one host sync
+    # Every selected pair lies at or below the causal line of `offset`, so a partial tile holding
+    # as many pairs as that line admits holds exactly them.
+    offset = _causal_offset(routes, counts)
+    not_causal = (partial & (pairs != _causal_tile_area(queries, kv_length, offset))).sum()
+    stats = torch.stack(
+        [touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum(), not_causal, offset]
+    ).tolist()  # one host sync
+    causal_offset = stats[5] if stats[4] == 0 else None
+    return full, partial, TileStatistics(*stats[:4], causal_offset=causal_offset)
