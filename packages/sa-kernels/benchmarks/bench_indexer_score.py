@@ -1,6 +1,8 @@
 """indexer_score_tile on the GPU: TFLOP/s of the fused scoring kernel vs cuBLAS and the reference, same run.
 
-FLOPs count `2·Q·G·H·R·D` (the q·s products). Baselines: the same-size BF16 GEMM through torch.matmul
+FLOPs count `2·Q·G·H·R·D` (the q·s products). Each public call is timed eagerly (do_bench), as GPU time
+alone (replayed from a CUDA graph) and as host time per call: at the issue's small tile the kernel
+runs about as long as its host launch. Baselines: the same-size BF16 GEMM through torch.matmul
 (`[G, Q·H, D] @ [D, R]`, no relu/weighting epilogue: a ceiling) and the PyTorch reference (einsum + relu + sum).
 
     python packages/sa-kernels/benchmarks/bench_indexer_score.py [--quick] [--sweep] [--json PATH]
@@ -18,9 +20,10 @@ import json
 import math
 import signal
 import sys
+import time
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from sa_kernels import indexer_score_tile, round_to_e4m3
 from sa_kernels.indexer_score import reference, triton_kernels
@@ -58,13 +61,28 @@ def _inputs(batch: int, queries: int, groups: int, heads: int, dim: int, regions
     return query, weights, summary
 
 
+def _host_us(call, calls: int = 200) -> float:
+    """Host time per call, enqueueing back to back (the GPU may still be working at the end)."""
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def _bench_shape(batch: int, queries: int, groups: int, heads: int, dim: int, regions: int) -> dict:
     query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions)
     out = torch.empty(batch, groups, queries, regions, device="cuda")
     flops = _flops(batch, queries, groups, heads, dim, regions)
-    ms = do_bench(
-        lambda: indexer_score_tile(query, weights, summary, 0, queries, out=out), warmup=25, rep=100
-    )
+    call = lambda: indexer_score_tile(query, weights, summary, 0, queries, out=out)
+    ms = do_bench(call, warmup=25, rep=100)
+    # GPU time alone: a short call's eager time can be its host launch cost (tens of µs).
+    graph_ms = do_bench_cudagraph(call, rep=100)
+    host_us = _host_us(call)
     a = query.permute(0, 2, 1, 3, 4).reshape(batch * groups, queries * heads, dim)
     b = summary.transpose(1, 2).repeat_interleave(groups, 0)
     gemm_ms = do_bench(lambda: torch.matmul(a, b), warmup=25, rep=100)
@@ -76,15 +94,19 @@ def _bench_shape(batch: int, queries: int, groups: int, heads: int, dim: int, re
         "shape": _shape_name(batch, queries, groups, heads, dim, regions),
         "ms": round(ms, 4),
         "tflops": round(flops / ms / 1e9, 1),
+        "graph_ms": round(graph_ms, 4),
+        "graph_tflops": round(flops / graph_ms / 1e9, 1),
+        "host_us_per_call": round(host_us, 1),
         "gemm_ms": round(gemm_ms, 4),
         "gemm_tflops": round(flops / gemm_ms / 1e9, 1),
         "vs_gemm": round(gemm_ms / ms, 3),
         "reference_ms": round(ref_ms, 4),
         "vs_reference": round(ref_ms / ms, 2),
-        "config": triton_kernels.gpu_default_config(query.shape, queries, regions),
+        "config": triton_kernels.DEFAULT_CONFIG,
     }
     print(
         f"{row['name']:<20} {row['shape']:<34} {ms:>8.4f} ms {row['tflops']:>6.1f} TFLOP/s"
+        f" | CUDA graph {graph_ms:.4f} ms {row['graph_tflops']:>6.1f} TFLOP/s | host {host_us:.0f} us/call"
         f" | cuBLAS GEMM {row['gemm_tflops']:>6.1f} TFLOP/s ({row['vs_gemm']:.2f}x)"
         f" | reference {ref_ms:.3f} ms ({row['vs_reference']:.1f}x) | {_config_name(row['config'])}",
         flush=True,

@@ -13,6 +13,7 @@ D 256 with 2048 + tail, one route shared by the groups) and two route structures
     <kind>-flex         our route BlockMask through sparse_gqa_attention (clustered routes: whole
                         tiles plus exact causal cuts, so the arithmetic causal mask_mod)
     clustered-flex-bitmap  the clustered routes less one pair: the bitmap mask_mod on the same tiles
+    clustered-fa4       FlashAttention-4 block sparsity over the same tiles (when flash-attn-4 runs)
     <kind>-gather       the Triton gather kernels
     <kind>-auto         backend="auto" (the chosen backend is printed)
 
@@ -43,6 +44,7 @@ from sa_kernels.sparse_gqa import (
     sparse_gqa_attention,
 )
 from sa_kernels.sparse_gqa.block_mask import TILE
+from sa_kernels.sparse_gqa.fa4 import fa4_unavailable_reason
 from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
 
 GEOMETRIES = [
@@ -254,6 +256,8 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
             _block_baseline(table, shape, (q, k, v), grad, mask, pairs, dim)
             _bitmap_flex(table, shape, ids, (q, k, v), grad, pairs, dim)
         backends = (["flex"] if with_flex else []) + ["gather", "auto"]
+        if kind == "clustered" and fa4_unavailable_reason(q.device) is None:
+            backends.insert(1, "fa4")
         for backend in backends:
             fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
             result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)

@@ -145,15 +145,6 @@ def test_resident_config_runs_the_tiles_kernel_where_tma_cannot_address_the_summ
     assert torch.equal(out, tiles)
 
 
-def test_gpu_default_is_the_resident_kernel_from_the_flops_where_its_launch_pays_off():
-    """Q 128 against 16384 regions (1.7e10 FLOPs: launch-bound on the H200) takes the tiles kernel; Q 2048 and
-    the Step-5 walk's merged tiles take the resident one."""
-    shape = (1, 4096, 4, 4, 256)
-    assert triton_kernels.gpu_default_config(shape, 128, 16384) == triton_kernels._TILES_CONFIG
-    assert triton_kernels.gpu_default_config(shape, 2048, 16384) == triton_kernels.DEFAULT_CONFIG
-    assert triton_kernels.gpu_default_config(shape, 4096, 4096) == triton_kernels.DEFAULT_CONFIG
-
-
 @pytest.mark.parametrize("cfg", triton_kernels.SWEEP_CONFIGS, ids=_config_id)
 def test_sweep_configs_at_their_gpu_block_sizes_match_the_reference(cfg):
     # The GPU default and its sweep rivals, interpreted: a run of tiles over both batches, padded heads, tails.
@@ -311,8 +302,8 @@ def test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit(cfg, shape):
 )
 def test_cuda_default_on_a_summary_tma_cannot_address_matches_reference(dtype):
     # Batch rows 1000 x 256 + 8 elements apart: no 2-D descriptor spans both batches, so the resident default
-    # (asked for explicitly: this call is below RESIDENT_MIN_FLOPS) falls back to the tiles kernel (its
-    # pointer loads failed here on the H200 and were removed), as does float32.
+    # falls back to the tiles kernel (its pointer loads failed here on the H200 and were removed), as does
+    # float32.
     query, weights, _ = _inputs(2, 150, 4, 4, 256, 1000, dtype, device="cuda", seed=13)
     gen = torch.Generator().manual_seed(14)
     flat = round_to_e4m3(torch.randn(2 * 1000 * 256 + 8, generator=gen).to(dtype)).cuda()
@@ -333,12 +324,12 @@ def test_cuda_default_on_a_summary_tma_cannot_address_matches_reference(dtype):
 
 @pytest.mark.gpu
 def test_cuda_default_matches_reference_on_a_step5_like_tile_with_a_summary_slice():
-    # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries, above
-    # RESIDENT_MIN_FLOPS: the public call runs the resident kernel.
+    # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries: the
+    # public call runs the resident kernel (TMA can address the slice).
     query, weights, summary = _inputs(1, 1400, 4, 4, 256, 5000, device="cuda", seed=6)
     part = summary[:, 333:4461]
-    chosen = triton_kernels.gpu_default_config(query.shape, 1400, part.shape[1])
-    assert chosen.get("KERNEL") == "resident"
+    assert triton_kernels.DEFAULT_CONFIG["KERNEL"] == "resident"
+    assert triton_kernels._summary_descriptor(part, 64, 256)[0] is not None
     got = indexer_score_tile(query, weights, part, 0, 1400)
     expected = reference.indexer_score_tile(query, weights, part, 0, 1400)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)

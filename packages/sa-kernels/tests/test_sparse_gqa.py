@@ -21,6 +21,7 @@ from sa_kernels.sparse_gqa.block_mask import (
     _causal_tile_area,
     tile_pair_counts,
 )
+from sa_kernels.sparse_gqa.fa4 import fa4_route_issue, fa4_tiles, fa4_unavailable_reason
 from sa_kernels.sparse_gqa.reference import (
     dense_route_mask,
     route_membership,
@@ -515,8 +516,68 @@ def test_cpu_backends_that_need_cuda_raise():
     ids = _random_ids((1, 4, 3), 9, gen)
     with pytest.raises(RuntimeError, match="backend='flex' needs CUDA"):
         sparse_gqa_attention(q, k, v, ids, backend="flex")
-    with pytest.raises(RuntimeError, match="fa4"):
+    with pytest.raises(TypeError, match="backend='fa4' takes bfloat16 or float16"):
         sparse_gqa_attention(q, k, v, ids, backend="fa4")
+    with pytest.raises(RuntimeError, match="backend='fa4' cannot run"):
+        sparse_gqa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), ids, backend="fa4")
+
+
+@pytest.mark.parametrize("per_group", [False, True], ids=["shared-route", "route-per-group"])
+@pytest.mark.parametrize(("queries", "kv_length"), [(300, 300), (257, 385), (128, 640)])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa4_tiles_with_a_causal_mask_encode_exact_membership(
+    queries, kv_length, head_dim, per_group
+):
+    """FA4 applies its causal mask (query i at key i + kv_length − queries) on every listed tile: full
+    tiles plus causally masked partial tiles must equal the routes; backward lists are the transpose."""
+    route_heads = 2 if per_group else 1
+    gen = torch.Generator().manual_seed(5)
+    ids = clustered_routes(1, route_heads, queries, kv_length, tiles_per_query=3, generator=gen)
+    ids = ids if per_group else ids[:, 0]
+    mask = build_route_block_mask(ids, kv_length, 4)
+    assert fa4_route_issue(mask, head_dim) is None
+    tiles = fa4_tiles(mask, head_dim)
+    q_tile, key_tile = tiles.block_size
+    assert (q_tile, key_tile) == (128, 128 if head_dim == 128 else 64)
+    assert fa4_tiles(mask, head_dim) is tiles  # cached on the mask
+
+    def dense(num, idx, rows, cols):
+        live = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
+        out = torch.zeros(*idx.shape[:-1], cols + 1, dtype=torch.bool)
+        out.scatter_(-1, torch.where(live, idx.long(), cols), True)
+        return out[..., :cols].repeat_interleave(rows, -2).repeat_interleave(key_tile, -1)
+
+    full = dense(*tiles.forward[2:], q_tile, -(-kv_length // key_tile))[..., :queries, :kv_length]
+    partial = dense(*tiles.forward[:2], q_tile, -(-kv_length // key_tile))[
+        ..., :queries, :kv_length
+    ]
+    assert not (full & partial).any()
+    causal = torch.arange(kv_length) <= (torch.arange(queries) + kv_length - queries)[:, None]
+    membership = full | (partial & causal)
+    assert torch.equal(membership, dense_route_mask(ids, kv_length, 4 if per_group else 1))
+    for forward, backward in (
+        (tiles.forward[:2], tiles.backward[:2]),
+        (tiles.forward[2:], tiles.backward[2:]),
+    ):
+        k_tiles = -(-kv_length // key_tile)
+        q_tiles = -(-queries // q_tile)
+        fwd = dense(*forward, 1, k_tiles)[..., ::key_tile]
+        bwd = dense(*backward, 1, q_tiles)[..., ::key_tile]
+        assert torch.equal(fwd[..., :k_tiles], bwd.transpose(-1, -2)[..., :k_tiles])
+
+
+def test_fa4_route_issue_names_what_does_not_fit():
+    gen = torch.Generator().manual_seed(6)
+    clustered = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]
+    scattered = scattered_routes(1, 1, 256, 256, block=4, blocks_per_query=8, generator=gen)[:, 0]
+    mask = build_route_block_mask(clustered, 256, 2)
+    assert "head_dim" in fa4_route_issue(mask, 192)
+    assert "build_flex=False" in fa4_route_issue(
+        build_route_block_mask(clustered, 256, 2, build_flex=False), 128
+    )
+    assert "exact causal cuts" in fa4_route_issue(build_route_block_mask(scattered, 256, 2), 128)
+    with pytest.raises(ValueError, match=r"fa4_tiles: .*exact causal cuts"):
+        fa4_tiles(build_route_block_mask(scattered, 256, 2), 128)
 
 
 def test_gather_on_cpu_without_interpreter_raises(monkeypatch):
@@ -638,6 +699,9 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
     ref = sparse_gqa_attention_reference(qf, kf, vf, ids, query_chunk=512)
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
     backends = ["gather", "flex"] if kind == "clustered" else ["gather"]
+    fa4_runs = fa4_unavailable_reason(q.device) is None
+    if kind == "clustered" and fa4_runs:
+        backends.append("fa4")
     results = {}
     for backend in backends:
         out = sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=mask)
@@ -649,8 +713,27 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
         results[backend] = out
     auto = sparse_gqa_attention(q, k, v, ids, block_mask=mask)
     assert (mask.occupancy > 0.9) if kind == "clustered" else (mask.occupancy < 0.5)
-    expected = results["flex" if kind == "clustered" else "gather"]
-    torch.testing.assert_close(auto, expected, rtol=0, atol=0)
+    chosen = ("fa4" if fa4_runs else "flex") if kind == "clustered" else "gather"
+    torch.testing.assert_close(auto, results[chosen], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_fa4_refuses_routes_its_causal_mask_cannot_serve():
+    q, k, v, gen = _inputs(1, 512, 8, 2, 128, 1024, torch.bfloat16, "cuda")
+    if (reason := fa4_unavailable_reason(q.device)) is not None:
+        pytest.skip(reason)
+    scattered = scattered_routes(
+        1, 1, 512, 1024, block=4, blocks_per_query=20, generator=gen, device="cuda"
+    )
+    with pytest.raises(ValueError, match=r"fa4.*exact causal cuts"):
+        sparse_gqa_attention(q, k, v, scattered[:, 0], backend="fa4")
+    # A shard whose queries sit at keys 256 + i, not FA4's 512 + i: flex serves it, fa4 refuses.
+    pos = 256 + torch.arange(512, device="cuda").view(-1, 1)
+    causal = torch.arange(1024, device="cuda").view(1, -1).expand(512, -1)
+    ids = torch.where(causal <= pos, causal, -1).to(torch.int32).unsqueeze(0)
+    with pytest.raises(ValueError, match=r"fa4.*aligned like FA4"):
+        sparse_gqa_attention(q, k, v, ids, backend="fa4")
+    assert sparse_gqa_attention(q, k, v, ids, backend="auto").isfinite().all()
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ scales by the head weights and sums each query's heads in registers before stori
 `HP` is heads_per_group rounded up to a power of two; padded heads load zeros and weight 0.
 
 Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
-- "resident" (the GPU default for calls of at least RESIDENT_MIN_FLOPS): a fixed number of programs ("PER_SM" per
+- "resident" (the GPU default): a fixed number of programs ("PER_SM" per
   SM), each walking a contiguous run of tiles in (batch·group, query block, region block) order. A program loads its `[BLOCK_M, D]` query rows once
   per query block and streams only the summaries through a Hopper TMA descriptor: at BLOCK_M 128 it reads half the
   bytes per FLOP of "tiles". One dot over all of D (padded to a power of two, at most 256; 2-byte queries on the GPU).
@@ -16,6 +16,8 @@ Both accumulate the products in the same k order and share the epilogue; their b
 D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
+
+import functools
 
 import torch
 import triton
@@ -205,24 +207,14 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 # R16384): resident 128 × 64, 8 warps, 3 stages, 1 program per SM, TMA summary loads: 368.4 TFLOP/s at Q 128 and
 # 457.7 at Q 2048, against 289 and 339.1 for the tiles kernel at 128 × 128 × 64 (1.31× over both shapes, same bits).
 # Shared memory: the query rows ([128, 256] bf16, 64 KiB) and 3 summary blocks of [64, 256] (32 KiB each).
+# It runs at every size: its host launch costs more (a TMA descriptor per call; eagerly, a Q 128 call took
+# 0.094 ms against 0.047 ms of GPU time on the H200, 19:43 UTC), but in a training step the host runs ahead of
+# the GPU, and at Q 128 its GPU time beat the tiles kernel's 0.060 ms. (A FLOPs threshold that sent small calls
+# to the tiles kernel for their eager time was dropped.)
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
-# The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring and
-# RESIDENT_MIN_FLOPS); the default before the 18:56 sweep.
+# The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring); the
+# default before the 18:56 sweep.
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
-# Calls below this many FLOPs run the tiles kernel. Public calls on the H200 (19:02 UTC): at 1.7e10 FLOPs (Q 128,
-# R 16384) the resident kernel took 0.108 ms although the sweep timed the kernel itself at 0.047 ms, the tiles
-# kernel 0.061 ms; at 2.7e11 (Q 2048) the resident call matched its sweep (0.604 ms; tiles 0.817). So about 0.1 ms
-# per resident call sits outside the kernel (likely the host-side TMA descriptor launch; not diagnosed), and it
-# pays off from about 0.1 ms of tiles-kernel work (≈ 3.4e10 FLOPs at 340 TFLOP/s).
-RESIDENT_MIN_FLOPS = 4e10
-
-
-def gpu_default_config(query_shape: tuple[int, ...], n_q: int, regions: int) -> dict:
-    """The CUDA launch config for scoring `n_q` queries of a [B, Q, G, H, D] query against `regions` summaries:
-    DEFAULT_CONFIG from RESIDENT_MIN_FLOPS on, the tiles kernel below."""
-    batch, _, groups, heads, dim = query_shape
-    flops = 2 * batch * n_q * groups * heads * regions * dim
-    return dict(DEFAULT_CONFIG if flops >= RESIDENT_MIN_FLOPS else _TILES_CONFIG)
 
 
 _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
@@ -290,15 +282,18 @@ def _launch_tiles(query, weights, summary, start, n_q, out, cfg, hp, interpret, 
     )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
     """How many programs the resident kernel launches: cfg["PROGRAMS"] (tests) or PER_SM per SM (3 interpreted)."""
     if cfg.get("PROGRAMS") is not None:
         return cfg["PROGRAMS"]
     if interpret:
         return 3
-    return torch.cuda.get_device_properties(query.device).multi_processor_count * cfg.get(
-        "PER_SM", 1
-    )
+    return _sm_count(query.device.index) * cfg.get("PER_SM", 1)
 
 
 def _launch_resident(
@@ -361,7 +356,7 @@ def indexer_score_tile(
 ) -> torch.Tensor:
     """Writes `out` [B, G, stop − start, R]. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
 
-    The GPU runs `gpu_default_config`, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
+    The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
     cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
     when interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200
     test on such a layout, 2026-11-29 19:03 UTC, and was removed).
@@ -377,7 +372,7 @@ def indexer_score_tile(
     elif interpret:
         cfg = dict(_INTERPRET_CONFIG)
     else:
-        cfg = gpu_default_config(query.shape, n_q, summary.shape[1])
+        cfg = dict(DEFAULT_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
     if resident and _launch_resident(

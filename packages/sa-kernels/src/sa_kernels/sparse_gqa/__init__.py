@@ -3,7 +3,8 @@
 Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that load
 only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled FlexAttention over
 `build_route_block_mask`'s 128×128 BlockMask, CUDA only; shared or per-KV-group routes), "fa4"
-(FlashAttention-4 block sparsity: not implemented, raises), "auto" (see `auto_backend`).
+(FlashAttention-4's block-sparse kernels, for routes of whole tiles plus exact causal cuts; needs the
+optional flash-attn-4; see `fa4.py`), "auto" (see `auto_backend`).
 
 Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
 head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) needed 256–368 KiB of shared
@@ -23,6 +24,7 @@ import torch
 from sa_kernels.backend import triton_interpret
 
 from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
+from .fa4 import fa4_attention, fa4_route_issue, fa4_unavailable_reason
 from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
 
@@ -152,11 +154,12 @@ def auto_backend(
     head_dim: int,
     capability: tuple[int, int] | None = None,
 ) -> str:
-    """The backend `backend="auto"` runs for these routes: "reference", "flex" or "gather".
+    """The backend `backend="auto"` runs for these routes: "reference", "fa4", "flex" or "gather".
 
-    CPU: "reference". CUDA: "flex" when the routes cluster into tiles and the call lies inside the
-    envelope where Flex was measured and tested; otherwise "gather" (verified on every route
-    structure). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
+    CPU: "reference". CUDA: when the routes cluster into tiles and the call lies inside the
+    envelope where Flex was measured and tested, "fa4" if flash-attn-4 runs here and the routes are
+    whole tiles plus exact causal cuts (`fa4.fa4_route_issue`), else "flex"; otherwise "gather"
+    (verified on every route structure). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
     its Flex BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
     its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 (shared or per-KV-group routes) or
@@ -178,7 +181,15 @@ def auto_backend(
     clustered = (
         block_mask.flex is not None and stats is not None and stats.occupancy >= FLEX_MIN_OCCUPANCY
     )
-    return "flex" if clustered and in_envelope else "gather"
+    if not (clustered and in_envelope):
+        return "gather"
+    if (
+        dtype != torch.float32
+        and fa4_route_issue(block_mask, head_dim) is None
+        and fa4_unavailable_reason(device) is None
+    ):
+        return "fa4"
+    return "flex"
 
 
 def _validate(fn, query, key, value, token_ids, backend):
@@ -251,13 +262,6 @@ def _check_block_mask(fn, block_mask, query, key, token_ids):
         )
 
 
-def _fa4_unavailable(fn: str) -> str:
-    return (
-        f"{fn}: backend='fa4' (FlashAttention-4 block sparsity) is not implemented yet; "
-        "use 'gather' (or 'flex' for shared routes)"
-    )
-
-
 def sparse_gqa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -297,9 +301,9 @@ def sparse_gqa_attention(
         TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
             block_mask that is not a RouteBlockMask.
         ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
-            block_mask built for other routes.
-        RuntimeError: backend 'flex' on CPU tensors, 'gather' on CPU without TRITON_INTERPRET=1,
-            'fa4' (needs flash-attn-4; not implemented).
+            block_mask built for other routes, backend 'fa4' on routes it does not serve.
+        RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
+            TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given).
     """
     fn = "sparse_gqa_attention"
     _validate(fn, query, key, value, token_ids, backend)
@@ -308,7 +312,11 @@ def sparse_gqa_attention(
     scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     on_cuda = query.device.type == "cuda"
     if backend == "fa4":
-        raise RuntimeError(_fa4_unavailable(fn))
+        if query.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{fn}: backend='fa4' takes bfloat16 or float16; got {query.dtype}")
+        reason = fa4_unavailable_reason(query.device)
+        if reason is not None:
+            raise RuntimeError(f"{fn}: backend='fa4' cannot run: {reason}")
     if backend == "auto" and not on_cuda:
         backend = "reference"
     if backend == "reference":
@@ -329,12 +337,17 @@ def sparse_gqa_attention(
             token_ids,
             key.shape[1],
             query.shape[2],
-            build_flex={"flex": True, "gather": False}.get(backend),
+            build_flex={"flex": True, "fa4": True, "gather": False}.get(backend),
         )
     if backend == "auto":
         backend = auto_backend(
             block_mask, query.device, dtype=query.dtype, head_dim=query.shape[-1]
         )
+    if backend == "fa4":
+        issue = fa4_route_issue(block_mask, query.shape[-1])
+        if issue is not None:
+            raise ValueError(f"{fn}: backend='fa4': {issue}")
+        return fa4_attention(query, key, value, block_mask, scale)
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")

@@ -13,7 +13,7 @@ Memory is O(partial tiles), never a dense [queries, kv_length] bool mask. The ti
 routes: build with `build_flex=False` when Flex will not run.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,7 @@ class RouteBlockMask:
         when it was not built.
     statistics: the tile counts when the build needed them (Flex); None for a gather-only mask,
         whose build skips the tile binning and its host sync.
+    cache: per-backend layouts derived from the tiles once (FA4's block lists).
     """
 
     routes: torch.Tensor
@@ -69,6 +70,7 @@ class RouteBlockMask:
     query_heads: int
     flex: object | None = None
     statistics: TileStatistics | None = None
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def tile_statistics(self) -> TileStatistics:
         """The tile counts: the build's, or computed now from the routes (one host sync)."""

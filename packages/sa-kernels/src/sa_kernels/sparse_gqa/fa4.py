@@ -1,0 +1,163 @@
+"""FlashAttention-4 backend: FA4's block-sparse kernels over a route mask's tiles.
+
+FA4 (`flash-attn-4`, CuTe DSL; an optional extra, never a hard dependency) takes, per query tile, the
+counts and indices of its full and partial key tiles (like a Flex `BlockMask`) and applies a mask on the
+partial ones. This backend serves the routes whose partial tiles are exact causal cuts with FA4's own
+causal alignment (query i sits at key i + kv_length − queries; see
+`TileStatistics.causal_offset`): FA4's built-in causal mask is then exact on every tile, and no
+per-element mask has to run. Other routes raise; flex and gather serve them.
+
+Tiles: our 128×128 route tiles. On sm_90 FA4's forward needs the sparse key block to equal its own
+key tile (128 up to head_dim 128, 80 at 256) unless the block is smaller; so at head_dim 256 each
+route tile is split into two 64-key tiles (FA4 then runs 64-key tiles) and halves above the causal
+line are dropped.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .block_mask import TILE, RouteBlockMask
+
+# Compute capabilities where this backend was measured and tested (FA4's sm_90 kernels).
+FA4_TESTED_CAPABILITIES = ((9, 0),)
+
+
+@functools.cache
+def _flash_attn_func():
+    from flash_attn.cute.interface import flash_attn_func
+
+    return flash_attn_func
+
+
+def fa4_unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """None when FA4 can run here (import works, a GPU generation in FA4_TESTED_CAPABILITIES);
+    otherwise why not."""
+    try:
+        _flash_attn_func()
+    except Exception as err:  # ImportError, or the CuTe DSL runtime failing to load
+        return f"flash-attn-4 is not usable: {type(err).__name__}: {err}"
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "needs CUDA tensors"
+    capability = torch.cuda.get_device_capability(device)
+    if capability not in FA4_TESTED_CAPABILITIES:
+        return f"tested on compute capability {FA4_TESTED_CAPABILITIES}; this GPU is {capability}"
+    return None
+
+
+def fa4_key_tile(head_dim: int) -> int | None:
+    """Key-tile width of the sparse blocks FA4's sm_90 kernels take at this head_dim (None: none fits)."""
+    if head_dim <= 128:
+        return TILE
+    if head_dim == 256:
+        return 64
+    return None
+
+
+def fa4_route_issue(block_mask: RouteBlockMask, head_dim: int) -> str | None:
+    """None when these routes suit the FA4 backend at this head_dim; otherwise why not."""
+    if fa4_key_tile(head_dim) is None:
+        return f"FA4's sm_90 block sparsity fits head_dim <= 128 or 256 here; got {head_dim}"
+    if block_mask.flex is None or block_mask.statistics is None:
+        return "the block_mask was built without its tiles (build_flex=False)"
+    offset = block_mask.statistics.causal_offset
+    aligned = block_mask.kv_length - block_mask.queries
+    # FA4's causal mask runs on every tile: the selected pairs must lie on or below its line, and
+    # partial tiles must be cut exactly by it.
+    exact = offset is not None and (
+        offset == aligned or (offset < aligned and not block_mask.statistics.partial_tiles)
+    )
+    if not exact:
+        return (
+            "the routes are not whole tiles plus exact causal cuts aligned like FA4's causal mask "
+            f"(query i at key i + {aligned}); flex and gather take any routes"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Fa4Tiles:
+    """FA4 block-sparse lists (int32): forward per query tile, backward per key tile.
+
+    forward: (partial counts [B, H, q_tiles], partial indices [B, H, q_tiles, k_tiles], full counts,
+        full indices), key tiles ascending after the counts' prefix.
+    backward: the same per key tile ([B, H, k_tiles], [B, H, k_tiles, q_tiles]).
+    block_size: (query tile, key tile) = (128, `fa4_key_tile(head_dim)`); H is 1 (shared routes) or
+        query_heads.
+    """
+
+    forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    block_size: tuple[int, int]
+
+
+def _dense(num: torch.Tensor, idx: torch.Tensor, columns: int) -> torch.Tensor:
+    """bool [..., rows, columns] from Flex-style (counts, indices) lists."""
+    live = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    dense = torch.zeros(*idx.shape[:-1], columns + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where(live, idx.long(), columns), True)
+    return dense[..., :columns]
+
+
+def _lists(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num = selected.sum(dim=-1, dtype=torch.int32)
+    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return num.contiguous(), order.contiguous()
+
+
+def fa4_tiles(block_mask: RouteBlockMask, head_dim: int) -> Fa4Tiles:
+    """The FA4 lists of these routes' tiles (cached on the mask per key-tile width)."""
+    key_tile = fa4_key_tile(head_dim)
+    issue = fa4_route_issue(block_mask, head_dim)
+    if issue is not None:
+        raise ValueError(f"fa4_tiles: {issue}")
+    cached = block_mask.cache.get(("fa4", key_tile))
+    if cached is not None:
+        return cached
+    flex = block_mask.flex
+    kv_tiles = -(-block_mask.kv_length // TILE)
+    full = _dense(flex.full_kv_num_blocks, flex.full_kv_indices, kv_tiles)
+    partial = _dense(flex.kv_num_blocks, flex.kv_indices, kv_tiles)
+    split = TILE // key_tile
+    if split > 1:
+        columns = -(-block_mask.kv_length // key_tile)
+        full = full.repeat_interleave(split, dim=-1)[..., :columns]
+        partial = partial.repeat_interleave(split, dim=-1)[..., :columns]
+        # A half of a causal-cut tile that lies wholly above the causal line holds no pair.
+        offset = block_mask.kv_length - block_mask.queries
+        last_row = torch.arange(partial.shape[-2], device=partial.device) * TILE + TILE - 1
+        first_key = torch.arange(columns, device=partial.device) * key_tile
+        partial &= first_key[None, :] <= (last_row + offset)[:, None]
+    tiles = Fa4Tiles(
+        forward=(*_lists(partial), *_lists(full)),
+        backward=(*_lists(partial.transpose(-1, -2)), *_lists(full.transpose(-1, -2))),
+        block_size=(TILE, key_tile),
+    )
+    block_mask.cache[("fa4", key_tile)] = tiles
+    return tiles
+
+
+def fa4_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: RouteBlockMask,
+    scale: float,
+) -> torch.Tensor:
+    """FA4 block-sparse causal attention over the route tiles; [batch, queries, query_heads, head_dim]."""
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    tiles = fa4_tiles(block_mask, query.shape[-1])
+    forward = BlockSparseTensorsTorch(*tiles.forward, block_size=tiles.block_size)
+    backward = BlockSparseTensorsTorch(*tiles.backward, block_size=tiles.block_size)
+    out, _ = _flash_attn_func()(
+        query,
+        key,
+        value,
+        softmax_scale=scale,
+        causal=True,
+        block_sparse_tensors=forward,
+        block_sparse_tensors_bwd=backward,
+    )
+    return out
