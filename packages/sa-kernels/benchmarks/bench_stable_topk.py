@@ -4,7 +4,7 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
-`--sweep` also times warp counts × prefilter widths (`LaunchConfig`) per shape, checks
+`--sweep` also times warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) per shape, checks
 each against the PyTorch path, and prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
@@ -30,7 +30,8 @@ SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048
 def _label(config: LaunchConfig, block: int, k: int) -> str:
     """The launch as it runs: the prefilter's maxima where it applies, else 0."""
     maxima = _prefilter_maxima(config, block, k)
-    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}"
+    chunk = f"-chunk{max(maxima, config.prefilter_chunk)}" if maxima else ""
+    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}{chunk}"
 
 
 def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
@@ -58,8 +59,14 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         timings = {}
         tile = 2048 if block > 2048 else 0
         for warps in (4, 8, 16):
-            for prefilter in (0, 1024, 2048):
-                config = LaunchConfig(warps, tile, prefilter)
+            for prefilter, chunk in (
+                (0, 2048),
+                (1024, 2048),
+                (1024, 4096),
+                (2048, 2048),
+                (2048, 4096),
+            ):
+                config = LaunchConfig(warps, tile, prefilter, chunk)
                 if _label(config, block, k) in timings:  # the prefilter does not apply here
                     continue
                 assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config

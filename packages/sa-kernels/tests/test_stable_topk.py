@@ -118,8 +118,8 @@ def test_prefilter_narrowed_and_fallback_rows_equal_the_stable_sort(n, k, maxima
     narrowed = _narrowed_rows(scores, k, maxima)
     assert narrowed.any() and not narrowed.all(), narrowed  # both branches run
     expected = reference.stable_topk(scores, k)
-    for tile in (0, 64):
-        config = LaunchConfig(output_tile=tile, prefilter=maxima)
+    for tile, chunk in ((0, 2048), (64, maxima)):  # streamed in one chunk or in n / maxima of them
+        config = LaunchConfig(output_tile=tile, prefilter=maxima, prefilter_chunk=chunk)
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
 
 

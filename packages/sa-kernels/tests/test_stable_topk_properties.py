@@ -63,10 +63,14 @@ def narrowable_rows(draw):
 
 
 @settings(max_examples=30, deadline=None)
-@given(case=narrowable_rows(), output_tile=st.sampled_from([0, 32]))
-def test_prefiltered_rows_equal_the_stable_sort(case, output_tile):
+@given(
+    case=narrowable_rows(),
+    output_tile=st.sampled_from([0, 32]),
+    chunk=st.sampled_from([8, 64, 2048]),  # several chunks per row, or the whole row in one
+)
+def test_prefiltered_rows_equal_the_stable_sort(case, output_tile, chunk):
     scores, k, maxima = case
-    config = LaunchConfig(output_tile=output_tile, prefilter=maxima)
+    config = LaunchConfig(output_tile=output_tile, prefilter=maxima, prefilter_chunk=chunk)
     assert torch.equal(
         stable_topk_rows(scores, k, _config=config), reference.stable_topk(scores, k)
     )

@@ -1,7 +1,6 @@
 """`stable_topk` for rows that fit one program: radix select on order-preserving keys, then a prefix sum.
 
-One program owns one row. It loads the row once into registers as 32-bit keys whose unsigned order is
-the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below everything). The k-th best key
+One program owns one row. It reads the row as 32-bit keys whose unsigned order is the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below everything). The k-th best key
 `t` is built bit by bit from the top: a candidate bit stays set when at least k keys reach the
 candidate; the walk stops early once exactly k keys reach the prefix built so far (they are the answer,
 and none ties at it). Then every key above `t` is kept, and of the keys equal to `t` the first
@@ -10,12 +9,14 @@ position its output slot, so positions come out ascending without a sort: over t
 from the registers, or (`OUTPUT_TILE`) in tiles re-read from memory with the counts carried between
 tiles.
 
-Each step costs a pass over the row's registers, so long rows are first narrowed (`MAXIMA` > 0): the
-maxima of `MAXIMA` strided groups of the row give a bound `b` (the k-th largest maximum; at least k
-keys reach it, so every kept key does), the keys reaching `b` (1.1–1.4·k on normal random rows) are
+Short rows (no prefilter) are held in registers and walked whole. Long rows are first narrowed
+(`MAXIMA` > 0), streaming the row in `CHUNK`-entry tiles so that no program holds all of it (a
+16384-entry row in registers took 255 registers per thread at 4 warps, two programs per SM; streamed,
+96): the maxima of `MAXIMA` strided groups give a bound `b` (the k-th largest maximum; at least k keys
+reach it, so every kept key does), the keys reaching `b` (1.1–1.4·k on normal random rows) are
 compacted in position order into the output row's own memory (2k int32 slots), and the walk runs over
-those. A row with more survivors than slots (heavy ties) takes the whole-row walk.
-One or two reads of the row, k writes, no workspace in memory, no host sync.
+those. A row with more survivors than slots (heavy ties) re-reads the row for every step of its walk.
+Two reads of the row (the second mostly from L2), k writes, no workspace in memory, no host sync.
 """
 
 from dataclasses import dataclass
@@ -71,25 +72,62 @@ def _store_kept(keys, positions, threshold, k, row_out):
 
 
 @triton.jit
+def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: tl.constexpr):
+    """`_store_kept` over the row re-read in tiles, the counts carried between tiles; `above_total` is
+    the number of keys above `threshold` in the whole row."""
+    still_needed = k - above_total
+    tied_seen = tl.zeros([], dtype=tl.int32)
+    kept_seen = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, TILE):
+        tile = start + tl.arange(0, TILE)
+        tile_keys = _order_keys(row_scores, tile, n)
+        above = tile_keys > threshold
+        tied = ((tile_keys == threshold) & (tile < n)).to(tl.int32)
+        tied_before = tied_seen + tl.cumsum(tied, axis=0) - tied
+        kept = above | ((tied != 0) & (tied_before < still_needed))
+        slot = kept_seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        tl.store(row_out + slot, tile.to(tl.int64), mask=kept)
+        tied_seen += tl.sum(tied, axis=0)
+        kept_seen += tl.sum(kept.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.constexpr):
     threshold = _kth_key(keys, k)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
         _store_kept(keys, offsets, threshold, k, row_out)
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
-        still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
-        tied_seen = tl.zeros([], dtype=tl.int32)
-        kept_seen = tl.zeros([], dtype=tl.int32)
-        for start in range(0, n, OUTPUT_TILE):
-            tile = start + tl.arange(0, OUTPUT_TILE)
-            tile_keys = _order_keys(row_scores, tile, n)
-            above = tile_keys > threshold
-            tied = ((tile_keys == threshold) & (tile < n)).to(tl.int32)
-            tied_before = tied_seen + tl.cumsum(tied, axis=0) - tied
-            kept = above | ((tied != 0) & (tied_before < still_needed))
-            slot = kept_seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-            tl.store(row_out + slot, tile.to(tl.int64), mask=kept)
-            tied_seen += tl.sum(tied, axis=0)
-            kept_seen += tl.sum(kept.to(tl.int32), axis=0)
+        above_total = tl.sum((keys > threshold).to(tl.int32), axis=0)
+        _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, OUTPUT_TILE)
+
+
+@triton.jit
+def _count_above(row_scores, n, bound, TILE: tl.constexpr):
+    """How many keys of the row, read in tiles, are above `bound`."""
+    count = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n, TILE):
+        tile_keys = _order_keys(row_scores, start + tl.arange(0, TILE), n)
+        count += tl.sum((tile_keys > bound).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _streamed_topk(row_scores, row_out, n, k, TILE: tl.constexpr):
+    """The whole-row walk without holding the row: each step re-reads it in tiles from the cache. For
+    rows the prefilter cannot narrow (heavy ties): slow, but it keeps the common path's registers low."""
+    prefix = tl.zeros([], dtype=tl.uint32)
+    shift = tl.full([], 31, tl.int32)
+    searching = shift >= 0
+    while searching:
+        candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
+        reaching = _count_above(
+            row_scores, n, candidate - 1, TILE
+        )  # keys >= candidate (candidate >= 1)
+        prefix = tl.where(reaching >= k, candidate, prefix)
+        shift -= 1
+        searching = (shift >= 0) & (reaching != k)
+    above_total = _count_above(row_scores, n, prefix, TILE)
+    _store_kept_tiles(row_scores, row_out, n, k, prefix, above_total, TILE)
 
 
 @triton.jit
@@ -104,23 +142,33 @@ def _stable_topk_kernel(
     BLOCK_N: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
     MAXIMA: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_scores = scores_ptr + row * stride_row
     row_out = out_ptr + row * stride_out
-    offsets = tl.arange(0, BLOCK_N)
-    keys = _order_keys(row_scores, offsets, n)
-    if MAXIMA > 0:  # the prefilter
+    if (
+        MAXIMA > 0
+    ):  # the prefilter, streaming the row in CHUNK-entry tiles (never all of it in registers)
         # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
-        maxima = tl.max(tl.reshape(keys, [BLOCK_N // MAXIMA, MAXIMA]), axis=0)
-        bound = _kth_key(maxima, k)
-        survive = keys >= bound
-        survivors = tl.sum(survive.to(tl.int32), axis=0)
-        if survivors <= 2 * k:  # they fit the row's output memory, read as 2k int32 slots
-            row_slots = slots_ptr + row * (2 * stride_out)
-            slot = tl.cumsum(survive.to(tl.int32), axis=0) - 1
-            tl.store(row_slots + slot, offsets, mask=survive)
-            tl.debug_barrier()  # the compacted positions are visible to every thread of the program
+        maxima = tl.zeros([MAXIMA], dtype=tl.uint32)
+        for start in range(0, n, CHUNK):
+            chunk_keys = _order_keys(row_scores, start + tl.arange(0, CHUNK), n)
+            chunk_max = tl.max(tl.reshape(chunk_keys, [CHUNK // MAXIMA, MAXIMA]), axis=0)
+            maxima = tl.maximum(maxima, chunk_max)
+        bound = _kth_key(maxima, k)  # >= 1: at least k groups hold a real key, padding keys are 0
+        # Survivors (keys >= bound) compacted in position order into the row's output memory, read as
+        # 2k int32 slots; stores past the slots are dropped and the count says so.
+        row_slots = slots_ptr + row * (2 * stride_out)
+        survivors = tl.zeros([], dtype=tl.int32)
+        for start in range(0, n, CHUNK):
+            chunk = start + tl.arange(0, CHUNK)
+            survive = _order_keys(row_scores, chunk, n) >= bound
+            slot = survivors + tl.cumsum(survive.to(tl.int32), axis=0) - 1
+            tl.store(row_slots + slot, chunk, mask=survive & (slot < 2 * k))
+            survivors += tl.sum(survive.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the compacted positions are visible to every thread of the program
+        if survivors <= 2 * k:
             j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
             present = j < survivors
             positions = tl.load(row_slots + j, mask=present, other=0)
@@ -129,9 +177,15 @@ def _stable_topk_kernel(
             tl.debug_barrier()  # every slot is read before the output overwrites it
             _store_kept(narrow_keys, positions, threshold, k, row_out)
         else:
-            _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
+            _streamed_topk(row_scores, row_out, n, k, CHUNK)
     else:
+        offsets = tl.arange(0, BLOCK_N)
+        keys = _order_keys(row_scores, offsets, n)
         _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
+
+
+# Entries the prefilter reads per step (at least MAXIMA): 16 per thread at 4 warps.
+PREFILTER_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -144,11 +198,14 @@ class LaunchConfig:
     prefilter: 0, or narrow the row before the walk to the keys reaching the k-th largest maximum of
         this many strided groups (a power of two; it also holds the at most 2k compacted survivors).
         Applies where the row's block is at least 4× that and `2k <= prefilter`, else ignored.
+    prefilter_chunk: entries the prefilter reads per step (rounded up to `prefilter`); the prefilter
+        never holds the whole row.
     """
 
     num_warps: int = 4
     output_tile: int = 0
     prefilter: int = 0
+    prefilter_chunk: int = PREFILTER_CHUNK
 
 
 def default_config(block: int, k: int) -> LaunchConfig:
@@ -205,6 +262,7 @@ def stable_topk_rows(
         BLOCK_N=block,
         OUTPUT_TILE=min(config.output_tile, block),
         MAXIMA=maxima,
+        CHUNK=max(maxima, config.prefilter_chunk),
         num_warps=config.num_warps,
     )
     return out
