@@ -209,20 +209,16 @@ class LaunchConfig:
 
 
 def default_config(block: int, k: int) -> LaunchConfig:
-    """The H200 sweeps' best (`bench_stable_topk.py --sweep`, 2026-11-29 18:52 UTC, FP32 rows, k 512):
-    the output phase in 2048-entry tiles for blocks above 2048 entries, the prefilter (1024 maxima) for
-    blocks of 4096 entries or more, and 4 warps; for 32768-entry blocks 16 warps and 2048 maxima.
-    Against the whole-row walk of 18:29 UTC: 32768 entries 0.595 ms (was 1.533), 16384: 0.278
-    (0.461), 4096: 0.115 (0.179). A k above half the maxima takes the next power of two of 2k maxima
-    where the block still holds 4 entries per maximum (not timed), else no prefilter."""
-    if block >= 32768:
-        return LaunchConfig(
-            num_warps=16, output_tile=2048, prefilter=max(2048, triton.next_power_of_2(2 * k))
-        )
+    """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, 2026-11-29 20:31
+    UTC, FP32 rows, k 512): 4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries,
+    the prefilter (1024 maxima, 2048-entry chunks) for blocks of 8192 entries or more. 32768 entries:
+    0.391 ms (0.595 with the in-register prefilter at 16 warps), 16384: 0.209 (0.278); 4096 runs the
+    whole-row walk (0.128; prefilter 0.136). A k above half the maxima takes the next power of two of
+    2k maxima where the block still holds 4 entries per maximum (not timed), else no prefilter."""
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,
-        prefilter=max(1024, triton.next_power_of_2(2 * k)) if block >= 4096 else 0,
+        prefilter=max(1024, triton.next_power_of_2(2 * k)) if block >= 8192 else 0,
     )
 
 
