@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import triton
 
 from sa_kernels import stable_topk
 from sa_kernels.stable_topk import reference
@@ -90,33 +89,53 @@ def test_triton_rows_equal_the_stable_sort_across_block_sizes(n, k):
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
 
 
-def _narrowed_rows(scores: torch.Tensor, k: int, maxima: int) -> torch.Tensor:
-    """Which rows the prefilter narrows (at most 2k keys reach the k-th largest strided group maximum)
-    instead of falling back to the whole-row walk. The kernel's walk may stop early at a bound below
-    that maximum (exactly k maxima reach it), so it can count more survivors than this; on the cases
-    below both agree (checked by emulating the walk), which keeps the "both branches run" guard true."""
-    block = triton.next_power_of_2(scores.shape[-1])
-    padded = torch.nn.functional.pad(
-        scores.float(), (0, block - scores.shape[-1]), value=-torch.inf
-    )
-    bound = padded.view(len(scores), -1, maxima).amax(1).topk(k, -1).values[:, -1:]
-    return (scores.float() >= bound).sum(-1) <= 2 * k
+def _emulated_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the kernel's order (`_order_keys`): -0.0 folded into +0.0, sign-flipped bits."""
+    x = scores.float()
+    bits = torch.where(x == 0, 0.0, x).view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, (~bits) & 0xFFFFFFFF, bits | 2**31)
+
+
+def _emulated_kth_key(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """`_kth_key` per row, early stop included."""
+    prefix = torch.zeros(len(keys), dtype=torch.int64)
+    active = torch.ones(len(keys), dtype=torch.bool)
+    for shift in range(31, -1, -1):
+        candidate = prefix | (1 << shift)
+        reaching = (keys >= candidate[:, None]).sum(-1)
+        prefix = torch.where(active & (reaching >= k), candidate, prefix)
+        active &= reaching != k
+    return prefix
+
+
+def _prefilter_paths(scores: torch.Tensor, k: int, maxima: int) -> torch.Tensor:
+    """Which path the prefilter takes per row: 0 = the bound is the k-th key (fewer than k keys above
+    it), 1 = the walk over the at most 2k keys above it, 2 = the streamed whole-row walk."""
+    keys = _emulated_keys(scores)
+    padded = torch.nn.functional.pad(keys, (0, -scores.shape[-1] % maxima), value=0)
+    bound = _emulated_kth_key(padded.view(len(scores), -1, maxima).amax(1), k)
+    above = (keys > bound[:, None]).sum(-1)
+    return torch.where(above < k, 0, torch.where(above <= 2 * k, 1, 2))
 
 
 @pytest.mark.parametrize(("n", "k", "maxima"), [(300, 17, 64), (1000, 3, 16), (4100, 200, 512)])
-def test_prefilter_narrowed_and_fallback_rows_equal_the_stable_sort(n, k, maxima):
-    """Random rows (narrowed), rows sorted ascending (their best keys clustered at the end), rows with
-    few distinct values (more survivors than slots: the whole-row walk), -inf halves, signed zeros."""
+def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
+    """Random rows (the narrowed walk), rows sorted ascending (their best keys clustered at the end),
+    few distinct values, -inf halves, signed zeros, relu-like rows tied at 0 (the bound is the k-th key),
+    large keys packed into few strided groups (more than 2k above the bound: the streamed walk)."""
     generator = torch.Generator().manual_seed(n)
-    scores = torch.randn(6, n, generator=generator)
+    scores = torch.randn(8, n, generator=generator)
     scores[1] = scores[1].sort().values
     scores[2] = torch.randint(-2, 2, (n,), generator=generator).float()
     scores[3, : n // 2] = float("-inf")
     scores[4] = 0.0
     scores[4, ::3] = -0.0
     scores[5, 7] = 5.0
-    narrowed = _narrowed_rows(scores, k, maxima)
-    assert narrowed.any() and not narrowed.all(), narrowed  # both branches run
+    scores[6] = torch.relu(scores[6] - 2.5)  # about 0.6 % positive, the rest exactly 0
+    packed = torch.arange(n) % maxima < max(1, k // 2)
+    scores[7] = torch.where(packed, 10 + scores[7], scores[7])
+    paths = _prefilter_paths(scores, k, maxima)
+    assert set(paths.tolist()) == {0, 1, 2}, paths  # every path runs
     expected = reference.stable_topk(scores, k)
     for tile, chunk in ((0, 2048), (64, maxima)):  # streamed in one chunk or in n / maxima of them
         config = LaunchConfig(output_tile=tile, prefilter=maxima, prefilter_chunk=chunk)

@@ -13,9 +13,11 @@ Short rows (no prefilter) are held in registers and walked whole. Long rows are 
 (`MAXIMA` > 0), streaming the row in `CHUNK`-entry tiles so that no program holds all of it (a
 16384-entry row in registers took 255 registers per thread at 4 warps, two programs per SM; streamed,
 96): the maxima of `MAXIMA` strided groups give a bound `b` (the k-th largest maximum; at least k keys
-reach it, so every kept key does), the keys reaching `b` (1.1–1.4·k on normal random rows) are
-compacted in position order into the output row's own memory (2k int32 slots), and the walk runs over
-those. A row with more survivors than slots (heavy ties) re-reads the row for every step of its walk.
+reach it, so every kept key does), and the keys above `b` are counted and compacted in position order
+into the output row's own memory (2k int32 slots). Fewer than k above `b`: `b` is the k-th largest key
+itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
+3–4 % of the Step-5 rows at 32k). Between k and 2k (k to 1.4·k on normal random rows): the walk runs
+over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
 Two reads of the row (the second mostly from L2), k writes, no workspace in memory, no host sync.
 """
 
@@ -157,20 +159,25 @@ def _stable_topk_kernel(
             chunk_max = tl.max(tl.reshape(chunk_keys, [CHUNK // MAXIMA, MAXIMA]), axis=0)
             maxima = tl.maximum(maxima, chunk_max)
         bound = _kth_key(maxima, k)  # >= 1: at least k groups hold a real key, padding keys are 0
-        # Survivors (keys >= bound) compacted in position order into the row's output memory, read as
-        # 2k int32 slots; stores past the slots are dropped and the count says so.
+        # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
+        # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
+        # and the count says so.
         row_slots = slots_ptr + row * (2 * stride_out)
-        survivors = tl.zeros([], dtype=tl.int32)
+        above_bound = tl.zeros([], dtype=tl.int32)
         for start in range(0, n, CHUNK):
             chunk = start + tl.arange(0, CHUNK)
-            survive = _order_keys(row_scores, chunk, n) >= bound
-            slot = survivors + tl.cumsum(survive.to(tl.int32), axis=0) - 1
-            tl.store(row_slots + slot, chunk, mask=survive & (slot < 2 * k))
-            survivors += tl.sum(survive.to(tl.int32), axis=0)
+            above = _order_keys(row_scores, chunk, n) > bound
+            slot = above_bound + tl.cumsum(above.to(tl.int32), axis=0) - 1
+            tl.store(row_slots + slot, chunk, mask=above & (slot < 2 * k))
+            above_bound += tl.sum(above.to(tl.int32), axis=0)
         tl.debug_barrier()  # the compacted positions are visible to every thread of the program
-        if survivors <= 2 * k:
+        if above_bound < k:
+            # Fewer than k keys above it and at least k reaching it: `bound` is the k-th largest key
+            # itself (rows whose threshold is a heavily tied value, e.g. relu-weighted scores at 0).
+            _store_kept_tiles(row_scores, row_out, n, k, bound, above_bound, CHUNK)
+        elif above_bound <= 2 * k:
             j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
-            present = j < survivors
+            present = j < above_bound
             positions = tl.load(row_slots + j, mask=present, other=0)
             narrow_keys = tl.where(present, _order_keys(row_scores, positions, n), 0)
             threshold = _kth_key(narrow_keys, k)
