@@ -566,6 +566,33 @@ def test_fa4_tiles_with_a_causal_mask_encode_exact_membership(
         assert torch.equal(fwd[..., :k_tiles], bwd.transpose(-1, -2)[..., :k_tiles])
 
 
+def test_auto_prefers_fa4_where_it_runs_and_flex_for_forward_only_calls_at_head_dim_256(
+    monkeypatch,
+):
+    """The decision alone (no GPU): FA4 made to look usable."""
+    import sa_kernels.sparse_gqa as sparse_gqa
+
+    monkeypatch.setattr(sparse_gqa, "fa4_unavailable_reason", lambda device: None)
+    gen = torch.Generator().manual_seed(8)
+    clustered = clustered_routes(1, 1, 384, 384, tiles_per_query=2, generator=gen)[:, 0]
+    causal = build_route_block_mask(clustered, 384, 4)
+    bitmap_ids = clustered.clone()
+    bitmap_ids[0, -1, -1] = -1  # the last query's own key: no longer an exact causal cut
+    bitmap = build_route_block_mask(bitmap_ids, 384, 4)
+    assert bitmap.statistics.causal_offset is None and bitmap.occupancy >= FLEX_MIN_OCCUPANCY
+    h200 = {"dtype": torch.bfloat16, "capability": (9, 0)}
+    choose = lambda mask, **kw: auto_backend(mask, "cuda", **h200, **kw)
+    assert choose(causal, head_dim=128) == "fa4"
+    assert choose(causal, head_dim=128, requires_grad=False) == "fa4"
+    assert choose(causal, head_dim=256) == "fa4"
+    assert choose(causal, head_dim=256, requires_grad=False) == "flex"
+    assert choose(bitmap, head_dim=128) == "flex"
+    assert (
+        auto_backend(causal, "cuda", dtype=torch.float32, capability=(9, 0), head_dim=128)
+        == "gather"
+    )
+
+
 def test_fa4_route_issue_names_what_does_not_fit():
     gen = torch.Generator().manual_seed(6)
     clustered = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]

@@ -153,13 +153,16 @@ def auto_backend(
     dtype: torch.dtype,
     head_dim: int,
     capability: tuple[int, int] | None = None,
+    requires_grad: bool = True,
 ) -> str:
     """The backend `backend="auto"` runs for these routes: "reference", "fa4", "flex" or "gather".
 
     CPU: "reference". CUDA: when the routes cluster into tiles and the call lies inside the
     envelope where Flex was measured and tested, "fa4" if flash-attn-4 runs here and the routes are
     whole tiles plus exact causal cuts (`fa4.fa4_route_issue`), else "flex"; otherwise "gather"
-    (verified on every route structure). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
+    (verified on every route structure). At head_dim 256 a call without gradients (`requires_grad`
+    False) keeps Flex: FA4's forward there runs 64-key tiles and took 13.2 ms against Flex's 5.3 at
+    32k on the H200, while fwd+bwd it took 26.7 against 35.9 (docs/benchmarks.md, fourth session). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
     its Flex BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
     its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 (shared or per-KV-group routes) or
@@ -185,6 +188,7 @@ def auto_backend(
         return "gather"
     if (
         dtype != torch.float32
+        and (head_dim <= 128 or requires_grad)
         and fa4_route_issue(block_mask, head_dim) is None
         and fa4_unavailable_reason(device) is None
     ):
@@ -341,7 +345,12 @@ def sparse_gqa_attention(
         )
     if backend == "auto":
         backend = auto_backend(
-            block_mask, query.device, dtype=query.dtype, head_dim=query.shape[-1]
+            block_mask,
+            query.device,
+            dtype=query.dtype,
+            head_dim=query.shape[-1],
+            requires_grad=torch.is_grad_enabled()
+            and any(t.requires_grad for t in (query, key, value)),
         )
     if backend == "fa4":
         issue = fa4_route_issue(block_mask, query.shape[-1])
