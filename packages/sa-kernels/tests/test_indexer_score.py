@@ -276,7 +276,8 @@ BIT_IDENTITY_SHAPES = [(1, 200, 4, 4, 256, 1008), (1, 60, 1, 16, 128, 700), (2, 
 def test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit(cfg, shape):
     # Same products in the same k order (the resident kernel: one dot over D instead of chained 64-wide dots)
     # and the same epilogue code: the same bits as the tiles kernel where D is a multiple of 64, measured on
-    # the H200 (18:56 and 19:47 UTC). Which kernel runs depends on a call's FLOPs, so the bits should not.
+    # the H200 (18:56 and 19:47 UTC). Which kernel runs depends on the summary layout (TMA), so the bits
+    # should not.
     # (Resident 128 x 32 and 256 x 64 changed bits there: they are not sweep configs.)
     batch, queries, groups, heads, dim, regions = shape
     query, weights, summary = _inputs(*shape, device="cuda", seed=4)

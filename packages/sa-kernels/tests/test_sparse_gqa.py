@@ -593,13 +593,40 @@ def test_auto_prefers_fa4_where_it_runs_and_flex_for_forward_only_calls_at_head_
     )
 
 
+def test_repeated_ids_keep_the_causal_mask_mod():
+    """A row's repeats become sentinels inside its counted prefix: the offset must come from the
+    largest valid id, not the last counted slot."""
+    gen = torch.Generator().manual_seed(9)
+    ids = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]
+    ids[0, 5, -1] = ids[0, 5, 0]  # row 5 repeats one of its ids in a padding slot: same key set
+    mask = build_route_block_mask(ids, 256, 2)
+    assert mask.statistics.causal_offset == 0
+    assert fa4_route_issue(mask, 128) is None
+
+
+def test_fa4_route_issue_accepts_only_fa4s_causal_alignment():
+    """Partial tiles cut at query i + 256 while FA4 cuts at i + 512: refused; a CP shard of whole tiles
+    only (no partial tile) lying below FA4's line: accepted."""
+    pos = 256 + torch.arange(512).view(-1, 1)
+    keys = torch.arange(1024).view(1, -1)
+    shard = torch.where(keys <= pos, keys, -1).to(torch.int32).unsqueeze(0)
+    mask = build_route_block_mask(shard, 1024, 4)
+    assert mask.statistics.causal_offset == 256 and mask.statistics.partial_tiles > 0
+    assert "aligned like FA4" in fa4_route_issue(mask, 128)
+    whole_tiles = torch.where(keys < (pos // 128) * 128, keys, -1).to(torch.int32).unsqueeze(0)
+    mask = build_route_block_mask(whole_tiles, 1024, 4)
+    assert mask.statistics.partial_tiles == 0 and mask.statistics.causal_offset < 512
+    assert fa4_route_issue(mask, 128) is None
+    assert "head_dim" in fa4_route_issue(mask, 36)  # FA4 needs 16-byte rows
+
+
 def test_fa4_route_issue_names_what_does_not_fit():
     gen = torch.Generator().manual_seed(6)
     clustered = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]
     scattered = scattered_routes(1, 1, 256, 256, block=4, blocks_per_query=8, generator=gen)[:, 0]
     mask = build_route_block_mask(clustered, 256, 2)
     assert "head_dim" in fa4_route_issue(mask, 192)
-    assert "build_flex=False" in fa4_route_issue(
+    assert "no Flex tiles" in fa4_route_issue(
         build_route_block_mask(clustered, 256, 2, build_flex=False), 128
     )
     assert "exact causal cuts" in fa4_route_issue(build_route_block_mask(scattered, 256, 2), 128)

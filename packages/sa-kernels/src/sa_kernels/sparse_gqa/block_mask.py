@@ -76,7 +76,7 @@ class RouteBlockMask:
         """The tile counts: the build's, or computed now from the routes (one host sync)."""
         if self.statistics is not None:
             return self.statistics
-        return _tile_masks(self.routes, self.counts, self.kv_length)[2]
+        return _tile_masks(self.routes, self.kv_length)[2]
 
     @property
     def occupancy(self) -> float:
@@ -229,7 +229,7 @@ def build_route_block_mask(
     routes, counts = canonical_routes(routes4, kv_length)
     if build_flex is False:
         return RouteBlockMask(routes, counts, kv_length, query_heads)
-    full, partial, statistics = _tile_masks(routes, counts, kv_length)
+    full, partial, statistics = _tile_masks(routes, kv_length)
     flex = None
     if build_flex or statistics.occupancy >= FLEX_MIN_OCCUPANCY:
         from torch.nn.attention.flex_attention import BlockMask
@@ -262,7 +262,11 @@ def build_route_block_mask(
 
 
 def causal_mask_mod(offset: int):
-    """Flex `mask_mod` for partial tiles that are exact causal cuts: query row q sits at key q + offset."""
+    """Flex `mask_mod` for partial tiles that are exact causal cuts: query row q sits at key q + offset.
+
+    The offset is a Python int, so the compiled kernel is specialised on it (what the timed kernel was);
+    it is kv_length − queries, fixed by the shapes Flex already specialises on, or a context-parallel
+    rank's fixed shard start."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return q_idx + offset >= kv_idx
@@ -270,13 +274,14 @@ def causal_mask_mod(offset: int):
     return mask_mod
 
 
-def _causal_offset(routes: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _causal_offset(routes: torch.Tensor, kv_length: int) -> torch.Tensor:
     """0-d int64: max over non-empty rows of (largest selected id − row index). Every selected pair then
-    has key ≤ row + offset; rows that select their own position pin it."""
+    has key ≤ row + offset; rows that select their own position pin it. (A canonical row's count
+    includes the sentinels that replaced repeats, so the largest valid id is taken, not the last slot.)"""
     queries = routes.shape[2]
-    largest = routes.gather(-1, (counts.long() - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    lead = largest.long() - torch.arange(queries, device=routes.device)
-    return torch.where(counts > 0, lead, -queries).amax()
+    largest = torch.where(routes < kv_length, routes, -1).amax(-1).long()
+    lead = largest - torch.arange(queries, device=routes.device)
+    return torch.where(largest >= 0, lead, -queries).amax()
 
 
 def _causal_tile_area(queries: int, kv_length: int, offset: torch.Tensor) -> torch.Tensor:
@@ -298,7 +303,7 @@ def _causal_tile_area(queries: int, kv_length: int, offset: torch.Tensor) -> tor
 
 
 def _tile_masks(
-    routes: torch.Tensor, counts: torch.Tensor, kv_length: int
+    routes: torch.Tensor, kv_length: int
 ) -> tuple[torch.Tensor, torch.Tensor, TileStatistics]:
     """Full and partial tiles (bool [batch, route_heads, query_tiles, kv_tiles]) and their counts."""
     pairs = tile_pair_counts(routes, kv_length)
@@ -309,7 +314,7 @@ def _tile_masks(
     partial = touched & ~full
     # Every selected pair lies at or below the causal line of `offset`, so a partial tile holding
     # as many pairs as that line admits holds exactly them.
-    offset = _causal_offset(routes, counts)
+    offset = _causal_offset(routes, kv_length)
     not_causal = (partial & (pairs != _causal_tile_area(queries, kv_length, offset))).sum()
     stats = torch.stack(
         [touched.sum(), (area * touched).sum(), pairs.sum(), partial.sum(), not_causal, offset]

@@ -20,11 +20,21 @@ import torch
 
 from .block_mask import TILE, RouteBlockMask
 
-# Compute capabilities where this backend was measured and tested (FA4's sm_90 kernels).
+# Compute capabilities where this backend was measured and tested (FA4's sm_90 kernels), with
+# flash-attn-4 4.0.0b36 (a beta: its interface may change; `fa4_attention` checks what it returns).
 FA4_TESTED_CAPABILITIES = ((9, 0),)
 
 
 @functools.cache
+def _import_error() -> str | None:
+    """Why flash-attn-4 cannot be imported, or None; tried once per process."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func  # noqa: F401
+    except Exception as err:  # ImportError, or the CuTe DSL runtime failing to load
+        return f"flash-attn-4 is not usable: {type(err).__name__}: {err}"
+    return None
+
+
 def _flash_attn_func():
     from flash_attn.cute.interface import flash_attn_func
 
@@ -34,10 +44,8 @@ def _flash_attn_func():
 def fa4_unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """None when FA4 can run here (import works, a GPU generation in FA4_TESTED_CAPABILITIES);
     otherwise why not."""
-    try:
-        _flash_attn_func()
-    except Exception as err:  # ImportError, or the CuTe DSL runtime failing to load
-        return f"flash-attn-4 is not usable: {type(err).__name__}: {err}"
+    if (reason := _import_error()) is not None:
+        return reason
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "needs CUDA tensors"
     capability = torch.cuda.get_device_capability(device)
@@ -47,7 +55,10 @@ def fa4_unavailable_reason(device: torch.device | str | None = None) -> str | No
 
 
 def fa4_key_tile(head_dim: int) -> int | None:
-    """Key-tile width of the sparse blocks FA4's sm_90 kernels take at this head_dim (None: none fits)."""
+    """Key-tile width of the sparse blocks FA4's sm_90 kernels take at this head_dim (None: none fits;
+    FA4 also needs 16-byte rows: a multiple of 8 for 16-bit inputs)."""
+    if head_dim < 8 or head_dim % 8:
+        return None
     if head_dim <= 128:
         return TILE
     if head_dim == 256:
@@ -58,9 +69,15 @@ def fa4_key_tile(head_dim: int) -> int | None:
 def fa4_route_issue(block_mask: RouteBlockMask, head_dim: int) -> str | None:
     """None when these routes suit the FA4 backend at this head_dim; otherwise why not."""
     if fa4_key_tile(head_dim) is None:
-        return f"FA4's sm_90 block sparsity fits head_dim <= 128 or 256 here; got {head_dim}"
+        return (
+            "FA4's sm_90 block sparsity fits head_dim 8 to 128 in steps of 8, or 256, here; "
+            f"got {head_dim}"
+        )
     if block_mask.flex is None or block_mask.statistics is None:
-        return "the block_mask was built without its tiles (build_flex=False)"
+        return (
+            "the block_mask holds no Flex tiles (built with build_flex=False, or build_flex=None "
+            "on routes too scattered for tiles)"
+        )
     offset = block_mask.statistics.causal_offset
     aligned = block_mask.kv_length - block_mask.queries
     # FA4's causal mask runs on every tile: the selected pairs must lie on or below its line, and
@@ -151,7 +168,7 @@ def fa4_attention(
     tiles = fa4_tiles(block_mask, query.shape[-1])
     forward = BlockSparseTensorsTorch(*tiles.forward, block_size=tiles.block_size)
     backward = BlockSparseTensorsTorch(*tiles.backward, block_size=tiles.block_size)
-    out, _ = _flash_attn_func()(
+    result = _flash_attn_func()(
         query,
         key,
         value,
@@ -160,4 +177,10 @@ def fa4_attention(
         block_sparse_tensors=forward,
         block_sparse_tensors_bwd=backward,
     )
+    out = result[0] if isinstance(result, tuple) else result  # 4.0.0b36 returns (out, lse)
+    if out.shape != query.shape:
+        raise RuntimeError(
+            f"fa4_attention: flash-attn-4 returned shape {tuple(out.shape)} for queries "
+            f"{tuple(query.shape)} (tested with 4.0.0b36)"
+        )
     return out

@@ -18,7 +18,8 @@ into the output row's own memory (2k int32 slots). Fewer than k above `b`: `b` i
 itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
 3–4 % of the Step-5 rows at 32k). Between k and 2k (k to 1.4·k on normal random rows): the walk runs
 over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
-Two reads of the row (the second mostly from L2), k writes, no workspace in memory, no host sync.
+Two or three reads of the row (all but the first mostly from L2; one per walk step on the rare
+heavy-tie rows), k writes, no workspace in memory, no host sync.
 """
 
 from dataclasses import dataclass
@@ -205,8 +206,8 @@ class LaunchConfig:
     prefilter: 0, or narrow the row before the walk to the keys reaching the k-th largest maximum of
         this many strided groups (a power of two; it also holds the at most 2k compacted survivors).
         Applies where the row's block is at least 4× that and `2k <= prefilter`, else ignored.
-    prefilter_chunk: entries the prefilter reads per step (rounded up to `prefilter`); the prefilter
-        never holds the whole row.
+    prefilter_chunk: entries the prefilter reads per step (a power of two; at least `prefilter` are
+        read); the prefilter never holds the whole row.
     """
 
     num_warps: int = 4
