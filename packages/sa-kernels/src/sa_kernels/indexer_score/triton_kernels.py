@@ -57,6 +57,30 @@ def _weighted_head_sum_store(
 
 
 @triton.jit
+def _query_rows(
+    q_ptr,
+    b,
+    g,
+    pid_q,
+    start,
+    n_q,
+    H,
+    sq_b,
+    sq_q,
+    sq_g,
+    sq_h,
+    HP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """A block's query-head rows: (row pointers, global query positions, head of each row, valid rows)."""
+    m = tl.arange(0, BLOCK_M)
+    qi = pid_q * (BLOCK_M // HP) + m // HP
+    h = m % HP
+    q_pos = (start + qi).to(tl.int64)
+    return q_ptr + b * sq_b + q_pos * sq_q + g * sq_g + h * sq_h, q_pos, h, (qi < n_q) & (h < H)
+
+
+@triton.jit
 def _indexer_score_kernel(
     q_ptr,
     w_ptr,
@@ -92,12 +116,9 @@ def _indexer_score_kernel(
     b = (bg // G).to(tl.int64)
     g = (bg % G).to(tl.int64)
     BLOCK_Q: tl.constexpr = BLOCK_M // HP
-    m = tl.arange(0, BLOCK_M)
-    qi = pid_q * BLOCK_Q + m // HP
-    h = m % HP
-    row_ok = (qi < n_q) & (h < H)
-    q_pos = (start + qi).to(tl.int64)
-    q_rows = q_ptr + b * sq_b + q_pos * sq_q + g * sq_g + h * sq_h
+    q_rows, q_pos, h, row_ok = _query_rows(
+        q_ptr, b, g, pid_q, start, n_q, H, sq_b, sq_q, sq_g, sq_h, HP, BLOCK_M
+    )
     rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rs < R
     s_rows = s_ptr + b * ss_b + rs.to(tl.int64) * ss_r
@@ -153,8 +174,6 @@ def _indexer_score_resident_kernel(
     n_m = tl.cdiv(n_q, BLOCK_Q)
     t = tl.program_id(0) * tiles_per_program
     t_end = tl.minimum(t + tiles_per_program, n_tiles)
-    m = tl.arange(0, BLOCK_M)
-    h = m % HP
     d = tl.arange(0, DP)
     d_ok = d < D
     # One segment per (batch·group, query block) this program's run of tiles touches: load the query rows and
@@ -167,10 +186,9 @@ def _indexer_score_resident_kernel(
         bg = row // n_m
         b = (bg // G).to(tl.int64)
         g = (bg % G).to(tl.int64)
-        qi = pid_q * BLOCK_Q + m // HP
-        row_ok = (qi < n_q) & (h < H)
-        q_pos = (start + qi).to(tl.int64)
-        q_rows = q_ptr + b * sq_b + q_pos * sq_q + g * sq_g + h * sq_h
+        q_rows, q_pos, h, row_ok = _query_rows(
+            q_ptr, b, g, pid_q, start, n_q, H, sq_b, sq_q, sq_g, sq_h, HP, BLOCK_M
+        )
         qt = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_FP32:
             qt = qt.to(tl.float32)

@@ -124,7 +124,8 @@ def _tile_area(queries: int, kv_length: int, device: torch.device) -> torch.Tens
 
 
 def _blocks_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flex block lists: per query tile, the count and the ascending kv-tile indices of `selected`."""
+    """Block lists (Flex's and FA4's layout): per row of `selected` (bool [..., rows, columns]), the
+    count and the ascending column indices of its True entries, then the others."""
     num = selected.sum(dim=-1, dtype=torch.int32)
     order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
     return num.contiguous(), order.contiguous()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_mask import TILE, RouteBlockMask
+from .block_mask import TILE, RouteBlockMask, _blocks_first
 
 # Compute capabilities where this backend was measured and tested (FA4's sm_90 kernels), with
 # flash-attn-4 4.0.0b36 (a beta: its interface may change; `fa4_attention` checks what it returns).
@@ -117,12 +117,6 @@ def _dense(num: torch.Tensor, idx: torch.Tensor, columns: int) -> torch.Tensor:
     return dense[..., :columns]
 
 
-def _lists(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    num = selected.sum(dim=-1, dtype=torch.int32)
-    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    return num.contiguous(), order.contiguous()
-
-
 def fa4_tiles(block_mask: RouteBlockMask, head_dim: int) -> Fa4Tiles:
     """The FA4 lists of these routes' tiles (cached on the mask per key-tile width)."""
     key_tile = fa4_key_tile(head_dim)
@@ -147,8 +141,11 @@ def fa4_tiles(block_mask: RouteBlockMask, head_dim: int) -> Fa4Tiles:
         first_key = torch.arange(columns, device=partial.device) * key_tile
         partial &= first_key[None, :] <= (last_row + offset)[:, None]
     tiles = Fa4Tiles(
-        forward=(*_lists(partial), *_lists(full)),
-        backward=(*_lists(partial.transpose(-1, -2)), *_lists(full.transpose(-1, -2))),
+        forward=(*_blocks_first(partial), *_blocks_first(full)),
+        backward=(
+            *_blocks_first(partial.transpose(-1, -2)),
+            *_blocks_first(full.transpose(-1, -2)),
+        ),
         block_size=(TILE, key_tile),
     )
     block_mask.cache[("fa4", key_tile)] = tiles

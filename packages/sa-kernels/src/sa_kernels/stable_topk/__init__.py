@@ -7,7 +7,8 @@ from sa_kernels.backend import has_triton, resolve_backend
 __all__ = ["TRITON_MAX_ROW", "stable_topk", "stable_topk_workspace_bytes"]
 
 TRITON_MAX_ROW = 32768
-"""Longest row the Triton kernel holds in registers; longer rows take the PyTorch path."""
+"""Longest row the Triton path takes (the lengths it was run and timed at on the GPU); longer rows take
+the PyTorch path."""
 
 _TIE_BASE = 2**30
 """Tie keys are `_TIE_BASE - position`: distinct, positive and below `_INT32_MAX` for every position."""
@@ -46,10 +47,9 @@ def stable_topk(
 
     Two paths, same result:
     - "triton" (auto on CUDA for float32/bfloat16/float16 rows of at most 32768 entries): one program
-      per row, radix select of the k-th best score then a prefix sum (`triton_kernels`; rows of more
-      than 2048 entries are first narrowed to the scores reaching a bound from strided group maxima,
-      where the row holds at least 4 entries per maximum); reads the scores once or twice, no
-      workspace beyond the output.
+      per row, radix select of the k-th best score then a prefix sum (`triton_kernels`; rows of 8192
+      entries or more are streamed and first narrowed to the scores above a bound from strided group
+      maxima); reads the scores one to three times, no workspace beyond the output.
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so

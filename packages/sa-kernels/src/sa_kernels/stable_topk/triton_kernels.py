@@ -16,7 +16,7 @@ Short rows (no prefilter) are held in registers and walked whole. Long rows are 
 reach it, so every kept key does), and the keys above `b` are counted and compacted in position order
 into the output row's own memory (2k int32 slots). Fewer than k above `b`: `b` is the k-th largest key
 itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
-3–4 % of the Step-5 rows at 32k). Between k and 2k (k to 1.4·k on normal random rows): the walk runs
+4.1–4.7 % of the Step-5 rows at 128k on the H200, docs/benchmarks.md). Between k and 2k (k to 1.4·k on normal random rows): the walk runs
 over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
 Two or three reads of the row (all but the first mostly from L2; one per walk step on the rare
 heavy-tie rows), k writes, no workspace in memory, no host sync.

@@ -1,7 +1,7 @@
 """Sparse MLA backward in Triton: delta = rowsum(dO * O), then a dq kernel and a dkv kernel.
 
 Both recompute the scores from the saved lse (log2 domain, sink included). The dq kernel keeps dq in
-registers (or, opt-in, a slice of the value dims per program); the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
+registers; the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
 many queries, and twice by one query). Scores are computed transposed ([slots, heads]) so q and dO feed
 the MMAs from shared memory.
 """
