@@ -24,7 +24,8 @@ TFLOP/s count the selected (query head, key) pairs: 4Â·D flops each forward, 14Â
 (passed through sparse_gqa_attention's private `_flex_options`) and prints the fastest.
 
     python packages/sa-kernels/benchmarks/bench_sparse_gqa.py [--quick] [--long] [--sweep]
-        [--flex-scattered] [--json PATH]
+        [--flex-scattered] [--lengths N ...] [--kinds clustered|scattered ...]
+        [--backends flex|fa4|gather|auto ...] [--json PATH]
 """
 
 import argparse
@@ -47,6 +48,7 @@ from sa_kernels.sparse_gqa.block_mask import TILE
 from sa_kernels.sparse_gqa.fa4 import fa4_unavailable_reason
 from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
 
+KINDS = ("clustered", "scattered")
 GEOMETRIES = [
     # name, query heads, kv heads, head dim, routes per group, scattered block, selected keys
     ("H64/4-D128", 64, 4, 128, True, 8, 4096),
@@ -218,7 +220,7 @@ def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
         table.add("clustered-flex-bitmap", shape, *result, pairs, dim, {"mask_mod": "bitmap"})
 
 
-def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
+def run_geometry(table, length, geometry, gen, flex_scattered, sweep, kinds=KINDS, only=None):
     name, hq, hkv, dim, per_group, block, keys = geometry
     shape = f"S{length}-{name}"
     make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -236,7 +238,7 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
     del qd, kd, vd
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     route_heads = hkv if per_group else 1
-    for kind in ("clustered", "scattered"):
+    for kind in kinds:
         ids = _routes(kind, route_heads, length, block, keys, gen)
         ids = ids if per_group else ids[:, 0]
         with_flex = kind == "clustered" or flex_scattered
@@ -252,13 +254,13 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep):
         if mask.statistics is not None:
             info["mask_mod"] = "bitmap" if mask.statistics.causal_offset is None else "causal"
         pairs = int(mask.counts.sum()) * (hq // route_heads)
-        if kind == "clustered":
+        if kind == "clustered" and only is None:
             _block_baseline(table, shape, (q, k, v), grad, mask, pairs, dim)
             _bitmap_flex(table, shape, ids, (q, k, v), grad, pairs, dim)
         backends = (["flex"] if with_flex else []) + ["gather", "auto"]
         if kind == "clustered" and fa4_unavailable_reason(q.device) is None:
             backends.insert(1, "fa4")
-        for backend in backends:
+        for backend in backends if only is None else [b for b in backends if b in only]:
             fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
             result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)
             if result is not None:
@@ -311,6 +313,13 @@ def main(argv=None):
         "--flex-scattered", action="store_true", help="also time Flex on scattered routes"
     )
     parser.add_argument("--geometries", nargs="+", default=[g[0] for g in GEOMETRIES])
+    parser.add_argument(
+        "--lengths", nargs="+", type=int, help="key counts (overrides --quick/--long)"
+    )
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument(
+        "--backends", nargs="+", help="only these sparse_gqa backends (skips the Flex baselines)"
+    )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -325,13 +334,22 @@ def main(argv=None):
         f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
         flush=True,
     )
-    lengths = [8192] if args.quick else [32768] + ([131072] if args.long else [])
+    lengths = args.lengths or ([8192] if args.quick else [32768] + ([131072] if args.long else []))
     table = Table(args.json)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for length in lengths:
         for geometry in GEOMETRIES:
             if geometry[0] in args.geometries:
-                run_geometry(table, length, geometry, gen, args.flex_scattered, args.sweep)
+                run_geometry(
+                    table,
+                    length,
+                    geometry,
+                    gen,
+                    args.flex_scattered,
+                    args.sweep,
+                    kinds=args.kinds,
+                    only=args.backends,
+                )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """stable_topk on the GPU: the Triton radix-select kernel vs the PyTorch two-top-k path, same run.
 
-Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row at 128k tokens, keep 512)
-and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
+Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row at 128k tokens, 8192
+at 32k, keep 512) and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
 `--sweep` also times warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) per shape, checks
@@ -24,7 +24,13 @@ from sa_kernels.stable_topk.triton_kernels import (
     stable_topk_rows,
 )
 
-SHAPES = [(2048, 32768, 512), (2048, 16384, 512), (4096, 4096, 512), (8192, 2048, 64)]
+SHAPES = [
+    (2048, 32768, 512),
+    (2048, 16384, 512),
+    (4096, 8192, 512),
+    (4096, 4096, 512),
+    (8192, 2048, 64),
+]
 
 
 def _label(config: LaunchConfig, block: int, k: int) -> str:
@@ -65,6 +71,7 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
                 (1024, 4096),
                 (2048, 2048),
                 (2048, 4096),
+                (1024, 8192),  # one chunk at 8192 entries: the whole row in registers
             ):
                 config = LaunchConfig(warps, tile, prefilter, chunk)
                 if _label(config, block, k) in timings:  # the prefilter does not apply here
