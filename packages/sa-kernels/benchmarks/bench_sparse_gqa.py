@@ -22,9 +22,12 @@ TFLOP/s count the selected (query head, key) pairs: 4·D flops each forward, 14�
 `vs_block` = TFLOP/s / block-flex TFLOP/s (the issue's ≥ 0.8 target for clustered routes).
 `--sweep` times Flex on the clustered per-group D 128 routes under candidate `kernel_options`
 (passed through sparse_gqa_attention's private `_flex_options`) and prints the fastest.
+`--sweep-gather` times the gather kernels' launch candidates (`SWEEP_FORWARD_CONFIGS`,
+`SWEEP_BACKWARD_CONFIGS`) on the scattered routes, forward and backward apart, each checked against the
+default launch first.
 
     python packages/sa-kernels/benchmarks/bench_sparse_gqa.py [--quick] [--long] [--sweep]
-        [--flex-scattered] [--lengths N ...] [--kinds clustered|scattered ...]
+        [--flex-scattered] [--sweep-gather] [--lengths N ...] [--kinds clustered|scattered ...]
         [--backends flex|fa4|gather|auto ...] [--json PATH]
 """
 
@@ -47,6 +50,13 @@ from sa_kernels.sparse_gqa import (
 from sa_kernels.sparse_gqa.block_mask import TILE
 from sa_kernels.sparse_gqa.fa4 import fa4_unavailable_reason
 from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
+from sa_kernels.sparse_gqa.triton_kernels import (
+    SWEEP_BACKWARD_CONFIGS,
+    SWEEP_FORWARD_CONFIGS,
+    default_config,
+    gather_attention_backward,
+    gather_attention_forward,
+)
 
 KINDS = ("clustered", "scattered")
 GEOMETRIES = [
@@ -220,7 +230,9 @@ def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
         table.add("clustered-flex-bitmap", shape, *result, pairs, dim, {"mask_mod": "bitmap"})
 
 
-def run_geometry(table, length, geometry, gen, flex_scattered, sweep, kinds=KINDS, only=None):
+def run_geometry(
+    table, length, geometry, gen, flex_scattered, sweep, kinds=KINDS, only=None, sweep_gather=False
+):
     name, hq, hkv, dim, per_group, block, keys = geometry
     shape = f"S{length}-{name}"
     make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -271,6 +283,8 @@ def run_geometry(table, length, geometry, gen, flex_scattered, sweep, kinds=KIND
                 info = None
         if sweep and kind == "clustered" and dim <= 128:
             _sweep(table, shape, ids, mask, (q, k, v), grad, pairs, dim)
+        if sweep_gather and kind == "scattered":
+            _sweep_gather(table, shape, mask, (q, k, v), grad, pairs, dim)
         del ids, mask
     torch.cuda.empty_cache()
 
@@ -304,6 +318,49 @@ def _sweep(table, shape, ids, mask, inputs, grad, pairs, dim):
         print(f"sweep best: config {best[0]} {SWEEP_OPTIONS[best[0]]} ({best[1]['ms']} ms)")
 
 
+def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim):
+    """Forward and backward launch candidates of the gather kernels, apart (ms of each kernel alone)."""
+    q, k, v = (t.detach() for t in inputs)
+    scale = dim**-0.5
+    routes, counts = mask.routes, mask.counts
+    out, lse = gather_attention_forward(q, k, v, routes, counts, scale)
+    grads = gather_attention_backward(q, k, v, out, grad, lse, routes, counts, scale)
+    for backward, configs in ((False, SWEEP_FORWARD_CONFIGS), (True, SWEEP_BACKWARD_CONFIGS)):
+        default = default_config(dim, backward)
+        best = None
+        for config in configs:
+            if backward:
+                run = lambda c=config: gather_attention_backward(
+                    q, k, v, out, grad, lse, routes, counts, scale, _config=c
+                )
+                got, want = run(), grads
+            else:
+                run = lambda c=config: gather_attention_forward(
+                    q, k, v, routes, counts, scale, _config=c
+                )
+                got, want = run(), (out, lse)
+            result = _try(f"sweep-gather {config}", do_bench, run, 5, 40)
+            if result is None:
+                continue
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+            name = "sweep-gather-" + ("bwd" if backward else "fwd")
+            flops = (10 if backward else 4) * pairs * dim
+            row = {"name": name, "shape": shape, "config": config, "ms": round(result, 3)}
+            row["tflops"] = round(flops / result / 1e9, 1)
+            row["default"] = config == default
+            table.rows.append(row)
+            print(
+                f"{name:<20} {shape:<18} {result:8.3f} ms {row['tflops']:6.1f} TF/s {config}"
+                + (" (default)" if row["default"] else ""),
+                flush=True,
+            )
+            if best is None or result < best[1]:
+                best = (config, result)
+        if best is not None:
+            print(f"sweep-gather best {'bwd' if backward else 'fwd'}: {best[0]} ({best[1]:.3f} ms)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8192 keys only")
@@ -319,6 +376,9 @@ def main(argv=None):
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument(
         "--backends", nargs="+", help="only these sparse_gqa backends (skips the Flex baselines)"
+    )
+    parser.add_argument(
+        "--sweep-gather", action="store_true", help="gather kernels' launch candidates"
     )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
@@ -349,6 +409,7 @@ def main(argv=None):
                     args.sweep,
                     kinds=args.kinds,
                     only=args.backends,
+                    sweep_gather=args.sweep_gather,
                 )
 
 

@@ -29,7 +29,12 @@ from sa_kernels.sparse_gqa.reference import (
 )
 from sa_kernels.sparse_gqa.routes import canonical_routes
 from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
-from sa_kernels.sparse_gqa.triton_kernels import gather_attention_forward
+from sa_kernels.sparse_gqa.triton_kernels import (
+    SWEEP_BACKWARD_CONFIGS,
+    SWEEP_FORWARD_CONFIGS,
+    gather_attention_backward,
+    gather_attention_forward,
+)
 
 
 def _inputs(
@@ -390,6 +395,37 @@ def test_gather_forward_writes_every_output_element():
     assert out.data_ptr() == poisoned.data_ptr() and not out.isnan().any()
     torch.testing.assert_close(out, sparse_gqa_attention_reference(q, k, v, ids, 0.5).detach())
     assert torch.isinf(lse[:, :, 3]).all() and torch.isfinite(lse[:, :, :3]).all()
+
+
+@pytest.mark.parametrize("block_w", sorted({c["BLOCK_W"] for c in SWEEP_FORWARD_CONFIGS}))
+def test_gather_forward_sweep_configs_match_the_oracle(block_w):
+    # rows longer than every step, so that several steps and a ragged last one run
+    q, k, v, gen = _inputs(1, 9, 4, 2, 16, 300, torch.float32)
+    ids = _random_ids((1, 2, 9, 150), 300, gen, empty_rows=(4,))
+    mask = build_route_block_mask(ids, 300, 4, build_flex=False)
+    config = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 2}
+    out, _ = gather_attention_forward(
+        q.detach(), k.detach(), v.detach(), mask.routes, mask.counts, 0.25, _config=config
+    )
+    want = sparse_gqa_attention_reference(q, k, v, ids, 0.25).detach()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_w", sorted({c["BLOCK_W"] for c in SWEEP_BACKWARD_CONFIGS}))
+def test_gather_backward_sweep_configs_match_the_oracle(block_w):
+    q, k, v, gen = _inputs(1, 9, 4, 2, 16, 200, torch.float32)
+    ids = _random_ids((1, 2, 9, 90), 200, gen, empty_rows=(4,))
+    grad = torch.randn(q.shape, generator=gen)
+    mask = build_route_block_mask(ids, 200, 4, build_flex=False)
+    args = [t.detach() for t in (q, k, v)]
+    out, lse = gather_attention_forward(*args, mask.routes, mask.counts, 0.25)
+    config = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 1}
+    got = gather_attention_backward(
+        *args, out, grad, lse, mask.routes, mask.counts, 0.25, _config=config
+    )
+    want = torch.autograd.grad(sparse_gqa_attention_reference(q, k, v, ids, 0.25), (q, k, v), grad)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_gather_reuses_a_prebuilt_block_mask_and_ignores_duplicates():

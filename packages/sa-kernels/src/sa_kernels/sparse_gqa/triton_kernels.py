@@ -175,11 +175,32 @@ def _gather_bwd_kernel(
     )
 
 
-def _blocks(group: int, head_dim: int) -> tuple[int, int, int]:
-    block_g = max(16, triton.next_power_of_2(group))
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_w = 64 if block_d <= 128 else 32
-    return block_g, block_d, block_w
+def _blocks(group: int, head_dim: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
+
+
+def default_config(head_dim: int, backward: bool) -> dict:
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch."""
+    wide = triton.next_power_of_2(head_dim) > 128
+    if backward:
+        return {"BLOCK_W": 32, "num_warps": 8 if wide else 4, "num_stages": 1}
+    return {"BLOCK_W": 32 if wide else 64, "num_warps": 4, "num_stages": 2}
+
+
+# Candidates `bench_sparse_gqa.py --sweep-gather` times against the defaults (each is checked against
+# the default's result first); the kernels' results do not depend on them beyond FP32 summation order.
+SWEEP_FORWARD_CONFIGS = [
+    {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
+    for w in (32, 64, 128)
+    for warps in (4, 8)
+    for stages in (2, 3)
+]
+SWEEP_BACKWARD_CONFIGS = [
+    {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
+    for w in (16, 32, 64)
+    for warps in (4, 8)
+    for stages in (1, 2)
+]
 
 
 def gather_attention_forward(
@@ -190,15 +211,20 @@ def gather_attention_forward(
     counts: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    _config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, Q, Hq, D] (query dtype) and lse FP32 [B, Hq, Q] (log2 domain of scale·scores)."""
+    """out [B, Q, Hq, D] (query dtype) and lse FP32 [B, Hq, Q] (log2 domain of scale·scores).
+
+    `_config` ({"BLOCK_W", "num_warps", "num_stages"}) overrides the launch (benchmark sweeps)."""
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
     if out is None:
         out = torch.empty_like(query)
     lse = torch.empty(batch, query_heads, queries, dtype=torch.float32, device=query.device)
-    block_g, block_d, block_w = _blocks(group, head_dim)
+    block_g, block_d = _blocks(group, head_dim)
+    config = _config or default_config(head_dim, backward=False)
     grid = (queries, batch * kv_heads)
     _gather_fwd_kernel[grid](
         query, key, value, routes, counts, out, lse,
@@ -211,10 +237,10 @@ def gather_attention_forward(
         lse.stride(0), lse.stride(1),
         queries, kv_heads, key.shape[1], scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=block_w,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"],
         IEEE=query.dtype == torch.float32,
         UPCAST=triton_interpret() and query.dtype != torch.float32,
-        num_warps=4, num_stages=2,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse
 
@@ -229,15 +255,18 @@ def gather_attention_backward(
     routes: torch.Tensor,
     counts: torch.Tensor,
     scale: float,
+    *,
+    _config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32."""
+    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward."""
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
     dq = torch.empty_like(query)
     dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-    block_g, block_d, block_w = _blocks(group, head_dim)
+    block_g, block_d = _blocks(group, head_dim)
+    config = _config or default_config(head_dim, backward=True)
     grid = (queries, batch * kv_heads)
     _gather_bwd_kernel[grid](
         query, key, value, out, grad_out, lse, routes, counts,
@@ -254,9 +283,9 @@ def gather_attention_backward(
         dk.stride(0), dk.stride(1), dk.stride(2),
         queries, kv_heads, key.shape[1], scale, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=min(block_w, 32),
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"],
         IEEE=query.dtype == torch.float32,
         UPCAST=triton_interpret() and query.dtype != torch.float32,
-        num_warps=4 if block_d <= 128 else 8, num_stages=1,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return dq, dk.to(key.dtype), dv.to(value.dtype)
