@@ -180,11 +180,12 @@ def _blocks(group: int, head_dim: int) -> tuple[int, int]:
 
 
 def default_config(head_dim: int, backward: bool) -> dict:
-    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch."""
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch: the H200 sweep's best
+    at 32k on scattered routes (`bench_sparse_gqa.py --sweep-gather`, docs/benchmarks.md)."""
     wide = triton.next_power_of_2(head_dim) > 128
     if backward:
-        return {"BLOCK_W": 32, "num_warps": 8 if wide else 4, "num_stages": 1}
-    return {"BLOCK_W": 32 if wide else 64, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_W": 32, "num_warps": 8 if wide else 4, "num_stages": 1 if wide else 2}
+    return {"BLOCK_W": 32 if wide else 128, "num_warps": 4, "num_stages": 2}
 
 
 # Candidates `bench_sparse_gqa.py --sweep-gather` times against the defaults (each is checked against
@@ -199,7 +200,7 @@ SWEEP_BACKWARD_CONFIGS = [
     {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
     for w in (16, 32, 64)
     for warps in (4, 8)
-    for stages in (1, 2)
+    for stages in (1, 2, 3)
 ]
 
 
