@@ -231,7 +231,7 @@ def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
 
 
 def run_geometry(
-    table, length, geometry, gen, flex_scattered, sweep, kinds=KINDS, only=None, sweep_gather=False
+    table, length, geometry, gen, flex_scattered, sweep, kinds=KINDS, only=None, sweep_gather=None
 ):
     name, hq, hkv, dim, per_group, block, keys = geometry
     shape = f"S{length}-{name}"
@@ -284,7 +284,7 @@ def run_geometry(
         if sweep and kind == "clustered" and dim <= 128:
             _sweep(table, shape, ids, mask, (q, k, v), grad, pairs, dim)
         if sweep_gather and kind == "scattered":
-            _sweep_gather(table, shape, mask, (q, k, v), grad, pairs, dim)
+            _sweep_gather(table, shape, mask, (q, k, v), grad, pairs, dim, sweep_gather)
         del ids, mask
     torch.cuda.empty_cache()
 
@@ -318,7 +318,7 @@ def _sweep(table, shape, ids, mask, inputs, grad, pairs, dim):
         print(f"sweep best: config {best[0]} {SWEEP_OPTIONS[best[0]]} ({best[1]['ms']} ms)")
 
 
-def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim):
+def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim, which="both"):
     """Forward and backward launch candidates of the gather kernels, apart (ms of each kernel alone)."""
     q, k, v = (t.detach() for t in inputs)
     scale = dim**-0.5
@@ -326,6 +326,8 @@ def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim):
     out, lse = gather_attention_forward(q, k, v, routes, counts, scale)
     grads = gather_attention_backward(q, k, v, out, grad, lse, routes, counts, scale)
     for backward, configs in ((False, SWEEP_FORWARD_CONFIGS), (True, SWEEP_BACKWARD_CONFIGS)):
+        if which != "both" and which != ("bwd" if backward else "fwd"):
+            continue
         default = default_config(dim, backward)
         best = None
         for config in configs:
@@ -379,7 +381,11 @@ def main(argv=None):
         "--backends", nargs="+", help="only these sparse_gqa backends (skips the Flex baselines)"
     )
     parser.add_argument(
-        "--sweep-gather", action="store_true", help="gather kernels' launch candidates"
+        "--sweep-gather",
+        nargs="?",
+        const="both",
+        choices=("fwd", "bwd", "both"),
+        help="gather kernels' launch candidates (forward, backward or both)",
     )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)

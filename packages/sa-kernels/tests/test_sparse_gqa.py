@@ -34,6 +34,7 @@ from sa_kernels.sparse_gqa.triton_kernels import (
     SWEEP_FORWARD_CONFIGS,
     gather_attention_backward,
     gather_attention_forward,
+    key_split_bounds,
 )
 
 
@@ -142,11 +143,11 @@ def test_reference_empty_row_gives_zero_output_and_zero_gradients():
 # ---------------------------------------------------------------- canonical routes and block masks
 
 
-def test_canonical_routes_sort_once_and_turn_repeats_into_sentinels():
+def test_canonical_routes_sort_and_move_repeats_behind_the_distinct_ids():
     ids = torch.tensor([[[[5, -1, 2, 5, 9, 2], [-1, -1, -1, -1, -1, -1], [7, 0, 3, 11, 1, 0]]]])
     routes, counts = canonical_routes(ids, 10)
-    assert routes.tolist() == [[[[2, 10, 5, 10, 9, 10], [10] * 6, [0, 10, 1, 3, 7, 10]]]]
-    assert counts.tolist() == [[[5, 0, 5]]]
+    assert routes.tolist() == [[[[2, 5, 9, 10, 10, 10], [10] * 6, [0, 1, 3, 7, 10, 10]]]]
+    assert counts.tolist() == [[[3, 0, 4]]]
 
 
 def test_canonical_routes_keep_rows_that_are_already_ascending():
@@ -412,20 +413,35 @@ def test_gather_forward_sweep_configs_match_the_oracle(block_w):
 
 
 @pytest.mark.parametrize("block_w", sorted({c["BLOCK_W"] for c in SWEEP_BACKWARD_CONFIGS}))
-def test_gather_backward_sweep_configs_match_the_oracle(block_w):
+@pytest.mark.parametrize("key_split", [0, 64, 50, 1000])
+@pytest.mark.parametrize("per_group", [True, False])
+def test_gather_backward_configs_and_key_passes_match_the_oracle(block_w, key_split, per_group):
+    # passes of 64 and 50 keys over 200: rows span several passes, some passes of a row are empty,
+    # row 4 is empty, repeats take canonical_routes' sorting path; 1000 keys: a single pass
     q, k, v, gen = _inputs(1, 9, 4, 2, 16, 200, torch.float32)
-    ids = _random_ids((1, 2, 9, 90), 200, gen, empty_rows=(4,))
+    ids = _random_ids((1, 2 if per_group else 1, 9, 90), 200, gen, empty_rows=(4,))
+    ids[..., 7, :] = torch.where(ids[..., 7, :] >= 0, ids[..., 7, :] % 40, -1)  # one pass only
+    ids = ids if per_group else ids[:, 0]
     grad = torch.randn(q.shape, generator=gen)
     mask = build_route_block_mask(ids, 200, 4, build_flex=False)
     args = [t.detach() for t in (q, k, v)]
     out, lse = gather_attention_forward(*args, mask.routes, mask.counts, 0.25)
-    config = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 1}
+    config = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 1, "KEY_SPLIT": key_split}
     got = gather_attention_backward(
         *args, out, grad, lse, mask.routes, mask.counts, 0.25, _config=config
     )
     want = torch.autograd.grad(sparse_gqa_attention_reference(q, k, v, ids, 0.25), (q, k, v), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (got[0][:, 4] == 0).all()
+
+
+def test_key_split_bounds_find_each_pass_slots():
+    routes, counts = canonical_routes(torch.tensor([[[[3, 70, 9, 64, 65, -1], [-1] * 6]]]), 130)
+    bounds = key_split_bounds(routes, 130, 64)  # passes [0, 64), [64, 128), [128, 130)
+    assert routes.tolist() == [[[[3, 9, 64, 65, 70, 130], [130] * 6]]]
+    assert bounds.tolist() == [[[[0, 2, 5, 5], [0, 0, 0, 0]]]]
+    assert torch.equal(bounds[..., -1], counts)
 
 
 def test_gather_reuses_a_prebuilt_block_mask_and_ignores_duplicates():

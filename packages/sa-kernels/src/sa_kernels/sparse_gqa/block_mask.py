@@ -51,10 +51,9 @@ class TileStatistics:
 class RouteBlockMask:
     """Canonical routes plus their tile structure; pass it to `sparse_gqa_attention(block_mask=...)`.
 
-    routes: int32 [batch, route_heads, queries, W] (`routes.canonical_routes`): per row a prefix of
-        `counts` slots holding each distinct valid id once (ascending; repeats became the
-        sentinel `kv_length`), then the sentinel.
-    counts: int32 [batch, route_heads, queries], prefix length per row.
+    routes: int32 [batch, route_heads, queries, W] (`routes.canonical_routes`): per row its
+        `counts` distinct valid ids ascending, then the sentinel `kv_length`.
+    counts: int32 [batch, route_heads, queries], distinct valid ids per row.
     kv_length: number of keys the routes address.
     query_heads: query heads the Flex mask addresses (route head = query head // group).
     flex: the FlexAttention `BlockMask` ([batch, query_heads or 1, queries, kv_length]), or None
@@ -277,8 +276,8 @@ def causal_mask_mod(offset: int):
 
 def _causal_offset(routes: torch.Tensor, kv_length: int) -> torch.Tensor:
     """0-d int64: max over non-empty rows of (largest selected id − row index). Every selected pair then
-    has key ≤ row + offset; rows that select their own position pin it. (A canonical row's count
-    includes the sentinels that replaced repeats, so the largest valid id is taken, not the last slot.)"""
+    has key ≤ row + offset; rows that select their own position pin it. (The largest valid id, not
+    the last counted slot: the result does not rest on the routes being canonical.)"""
     queries = routes.shape[2]
     largest = torch.where(routes < kv_length, routes, -1).amax(-1).long()
     lead = largest - torch.arange(queries, device=routes.device)

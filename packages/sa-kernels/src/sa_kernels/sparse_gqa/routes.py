@@ -4,20 +4,21 @@ import torch
 
 
 def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop padding and repeats so that each row is a prefix of distinct ids to scan, then sentinels.
+    """Drop padding and repeats so that each row is its distinct ids, ascending, then sentinels.
 
     Rows that already hold strictly ascending valid ids followed by padding (what the route
-    selectors emit) are kept as they are; otherwise every row is sorted once and each repeat after
-    its first occurrence becomes the sentinel. One host synchronisation (the ascending check).
+    selectors emit) are kept as they are; otherwise every row is sorted, each repeat after its first
+    occurrence becomes the sentinel, and a second sort moves those sentinels behind the ids. Whole
+    rows stay sorted, so a key range's slots are found by binary search (the gather backward's
+    key-range passes). One host synchronisation (the ascending check).
 
     Args:
         token_ids: integer [batch, route_heads, queries, W]; ids outside [0, kv_length) are padding.
         kv_length: number of keys; also the sentinel.
     Returns:
-        routes: int32 [batch, route_heads, queries, W], contiguous; the first `counts` slots of a row
-            hold its distinct valid ids (ascending) and possibly sentinels where repeats were; every
-            later slot is the sentinel `kv_length`.
-        counts: int32 [batch, route_heads, queries], the prefix length to scan per row.
+        routes: int32 [batch, route_heads, queries, W], contiguous, every row ascending: its first
+            `counts` slots hold its distinct valid ids, every later slot the sentinel `kv_length`.
+        counts: int32 [batch, route_heads, queries], distinct valid ids per row.
     """
     # validity on the caller's dtype: an int64 id such as 2**32 + 3 must not wrap into a valid int32 id
     valid = (token_ids >= 0) & (token_ids < kv_length)
@@ -29,6 +30,7 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
             ids = ids.sort(dim=-1).values
             repeat = torch.zeros_like(ids, dtype=torch.bool)
             repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-            ids = torch.where(repeat, sentinel, ids)
+            ids = torch.where(repeat, sentinel, ids).sort(dim=-1).values
+            return ids.contiguous(), (ids < kv_length).sum(dim=-1, dtype=torch.int32)
     counts = valid.sum(dim=-1, dtype=torch.int32)
     return ids.contiguous(), counts

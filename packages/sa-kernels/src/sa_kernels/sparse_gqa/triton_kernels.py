@@ -1,10 +1,16 @@
 """Gather kernels: each program is one (batch, query, KV group); its G query heads share one route.
 
-Only the selected K/V rows are loaded. Routes come canonical (`routes.canonical_routes`): a prefix
-of `count` slots holding each distinct valid id once (repeats and padding replaced by the sentinel
-`kv_length`, which the kernels mask), so the loop stops at the count. Scores, softmax and
-accumulators are FP32; the backward scatters dK and dV into FP32 buffers with FP32 atomics (one
-add per selected row and column, no repeats inside a program).
+Only the selected K/V rows are loaded. Routes come canonical (`routes.canonical_routes`): per row its
+`count` distinct valid ids, ascending, then the sentinel `kv_length` (which the kernels mask), so the
+loop stops at the count. Scores, softmax and accumulators are FP32; the backward scatters dK and dV
+into FP32 buffers with FP32 atomics (one add per selected row and column, no repeats inside a
+program).
+
+The backward is bound by those atomics. Where the keys' FP32 accumulators outgrow the L2 cache, it runs
+in key-range passes (`KEY_SPLIT` keys each): a program (query, group, pass) scans only its route's
+slots inside the pass's range (bounds found by binary search on the ascending routes), and programs
+are numbered pass-major, so the programs in flight at any time all add into one range's accumulators.
+dQ is then summed over the passes with FP32 atomics too.
 """
 
 import torch
@@ -88,7 +94,7 @@ def _gather_fwd_kernel(
 
 @triton.jit
 def _gather_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, counts_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, counts_ptr, bounds_ptr,
     dq_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -100,8 +106,8 @@ def _gather_bwd_kernel(
     stride_cb, stride_ch,
     stride_dqb, stride_dqq, stride_dqh,
     stride_dkb, stride_dks, stride_dkh,
-    queries, kv_heads, kv_length, scale, scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROUTE_PER_GROUP: tl.constexpr,
+    queries, kv_heads, route_heads, passes, kv_length, scale, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROUTE_PER_GROUP: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     q_idx = tl.program_id(0)
@@ -109,6 +115,40 @@ def _gather_bwd_kernel(
     b = bh // kv_heads
     h = bh % kv_heads
     rh = h if ROUTE_PER_GROUP else 0
+    b64 = b.to(tl.int64)
+    q64 = q_idx.to(tl.int64)
+    if SPLIT:  # this pass's slots [lo, hi) of the route; bounds [B, route_heads, Q, passes + 1]
+        bound = bounds_ptr + ((b64 * route_heads + rh) * queries + q64) * (passes + 1)
+        lo = tl.load(bound + tl.program_id(2))
+        hi = tl.load(bound + tl.program_id(2) + 1)
+    else:
+        lo = tl.zeros([], dtype=tl.int32)
+        hi = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
+    if hi > lo:  # dq starts zeroed: an empty row's gradients are its zeros
+        _gather_bwd_program(
+            q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, dq_ptr, dk_ptr, dv_ptr,
+            stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
+            stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
+            stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+            b64, h, rh, q_idx, lo, hi, kv_length, scale, scale_log2,
+            GROUP, HEAD_DIM, SPLIT, BLOCK_G, BLOCK_D, BLOCK_W, IEEE, UPCAST,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gather_bwd_program(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, dq_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
+    stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
+    stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+    b64, h, rh, q_idx, lo, hi, kv_length, scale, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One (query, group) over route slots [lo, hi): dK/dV added atomically, dQ stored (one pass) or
+    added atomically into FP32 (key-range passes)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_w = tl.arange(0, BLOCK_W)
@@ -116,7 +156,6 @@ def _gather_bwd_kernel(
     d_mask = offs_d < HEAD_DIM
     gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = h * GROUP + offs_g
-    b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     q = tl.load(
         q_ptr + b64 * stride_qb + q64 * stride_qq + heads[:, None] * stride_qh + offs_d[None, :],
@@ -140,14 +179,13 @@ def _gather_bwd_kernel(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, mask=g_mask, other=0.0)
     route_base = routes_ptr + b64 * stride_rb + rh * stride_rh + q64 * stride_rq
-    count = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
     k_base = k_ptr + b64 * stride_kb + h * stride_kh
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
     dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
     dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
     dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, count, BLOCK_W):
-        ids = tl.load(route_base + start + offs_w, mask=start + offs_w < count, other=kv_length)
+    for start in range(lo, hi, BLOCK_W):
+        ids = tl.load(route_base + start + offs_w, mask=start + offs_w < hi, other=kv_length)
         w_mask = ids < kv_length
         ids = tl.where(w_mask, ids, 0).to(tl.int64)
         kv_mask = w_mask[:, None] & d_mask[None, :]
@@ -164,15 +202,11 @@ def _gather_bwd_kernel(
         row = ids[:, None] * stride_dks + offs_d[None, :]
         tl.atomic_add(dk_base + row, dk * scale, mask=kv_mask, sem="relaxed")
         tl.atomic_add(dv_base + row, dv, mask=kv_mask, sem="relaxed")
-    tl.store(
-        dq_ptr
-        + b64 * stride_dqb
-        + q64 * stride_dqq
-        + heads[:, None] * stride_dqh
-        + offs_d[None, :],
-        (dq * scale).to(dq_ptr.dtype.element_ty),
-        mask=gd_mask,
-    )
+    dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
+    if SPLIT:
+        tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
+    else:
+        tl.store(dq_rows + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=gd_mask)
 
 
 def _blocks(group: int, head_dim: int) -> tuple[int, int]:
@@ -180,11 +214,14 @@ def _blocks(group: int, head_dim: int) -> tuple[int, int]:
 
 
 def default_config(head_dim: int, backward: bool) -> dict:
-    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch: the H200 sweep's best
-    at 32k on scattered routes (`bench_sparse_gqa.py --sweep-gather`, docs/benchmarks.md)."""
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch (and for the
+    backward the keys per pass, `KEY_SPLIT`, 0 = one pass): the H200 sweep's best at 32k on scattered
+    routes (`bench_sparse_gqa.py --sweep-gather`, docs/benchmarks.md)."""
     wide = triton.next_power_of_2(head_dim) > 128
     if backward:
-        return {"BLOCK_W": 32, "num_warps": 8 if wide else 4, "num_stages": 1 if wide else 2}
+        if wide:
+            return {"BLOCK_W": 16, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": 0}
+        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "KEY_SPLIT": 0}
     return {"BLOCK_W": 32 if wide else 128, "num_warps": 4, "num_stages": 2}
 
 
@@ -197,11 +234,24 @@ SWEEP_FORWARD_CONFIGS = [
     for stages in (2, 3)
 ]
 SWEEP_BACKWARD_CONFIGS = [
-    {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
-    for w in (16, 32, 64)
-    for warps in (4, 8)
-    for stages in (1, 2, 3)
+    {"BLOCK_W": w, "num_warps": 4, "num_stages": stages, "KEY_SPLIT": split}
+    for w in (16, 32)
+    for stages in (2, 3)
+    for split in (0, 8192, 16384)
 ]
+
+
+def key_split_bounds(routes: torch.Tensor, kv_length: int, split: int) -> torch.Tensor:
+    """int32 [B, route_heads, Q, passes + 1]: per route, the first slot whose id reaches each pass's
+    first key (pass j covers keys [j·split, (j + 1)·split)); the last column is the count. Rows must
+    be ascending (canonical)."""
+    passes = triton.cdiv(kv_length, split)
+    edges = (torch.arange(passes + 1, device=routes.device, dtype=torch.int32) * split).clamp(
+        max=kv_length
+    )
+    rows = routes.reshape(-1, routes.shape[-1])
+    bounds = torch.searchsorted(rows, edges.expand(rows.shape[0], -1).contiguous(), out_int32=True)
+    return bounds.view(*routes.shape[:-1], passes + 1)
 
 
 def gather_attention_forward(
@@ -263,14 +313,21 @@ def gather_attention_backward(
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
-    dq = torch.empty_like(query)
-    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
-    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
     block_g, block_d = _blocks(group, head_dim)
     config = _config or default_config(head_dim, backward=True)
-    grid = (queries, batch * kv_heads)
+    split = config.get("KEY_SPLIT", 0)
+    passes = triton.cdiv(key.shape[1], split) if split else 1
+    if passes > 1:
+        bounds = key_split_bounds(routes, key.shape[1], split)
+        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    else:
+        bounds = counts  # unused
+        dq = torch.zeros_like(query)
+    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    grid = (queries, batch * kv_heads, passes)
     _gather_bwd_kernel[grid](
-        query, key, value, out, grad_out, lse, routes, counts,
+        query, key, value, out, grad_out, lse, routes, counts, bounds,
         dq, dk, dv,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -282,11 +339,11 @@ def gather_attention_backward(
         counts.stride(0), counts.stride(1),
         dq.stride(0), dq.stride(1), dq.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
-        queries, kv_heads, key.shape[1], scale, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
+        queries, kv_heads, routes.shape[1], passes, key.shape[1], scale, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1, SPLIT=passes > 1,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"],
         IEEE=query.dtype == torch.float32,
         UPCAST=triton_interpret() and query.dtype != torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    return dq, dk.to(key.dtype), dv.to(value.dtype)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
