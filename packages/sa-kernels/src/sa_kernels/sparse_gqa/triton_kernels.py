@@ -213,16 +213,21 @@ def _blocks(group: int, head_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
 
 
+# Keys per backward pass: their FP32 dK and dV accumulators take 16 MiB (per KV group), which leaves
+# the pass's K/V rows room in the H200's L2 cache as well.
+PASS_ELEMENTS = 2**21
+
+
 def default_config(head_dim: int, backward: bool) -> dict:
-    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch (and for the
-    backward the keys per pass, `KEY_SPLIT`, 0 = one pass): the H200 sweep's best at 32k on scattered
-    routes (`bench_sparse_gqa.py --sweep-gather`, docs/benchmarks.md)."""
-    wide = triton.next_power_of_2(head_dim) > 128
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch, and for the backward
+    the keys per pass (`KEY_SPLIT`; 0 = one pass): the H200 sweeps' best on scattered routes
+    (`bench_sparse_gqa.py --sweep-gather`, 2026-11-29, docs/benchmarks.md). Backward at 128k, D 128:
+    947 ms in one pass, 614 ms in passes of 16384 keys."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
     if backward:
-        if wide:
-            return {"BLOCK_W": 16, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": 0}
-        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "KEY_SPLIT": 0}
-    return {"BLOCK_W": 32 if wide else 128, "num_warps": 4, "num_stages": 2}
+        split = PASS_ELEMENTS // block_d
+        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": split}
+    return {"BLOCK_W": 32 if block_d > 128 else 128, "num_warps": 4, "num_stages": 2}
 
 
 # Candidates `bench_sparse_gqa.py --sweep-gather` times against the defaults (each is checked against
@@ -309,7 +314,10 @@ def gather_attention_backward(
     *,
     _config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward."""
+    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward.
+
+    With more keys than one pass holds, dq is first summed in an FP32 buffer of the query's shape
+    (at 128k tokens, 64 heads, D 128: 4 GiB), freed on return."""
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
