@@ -824,6 +824,30 @@ def test_cuda_backends_match_oracle_at_8k(kind, query_heads, kv_heads, head_dim,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_split", [2048, 3000])
+def test_cuda_gather_backward_key_passes_match_the_oracle(key_split):
+    """The backward's key-range passes (what the default runs beyond 16384 keys at D128) at 8k."""
+    q, k, v, gen = _inputs(1, 8192, 16, 2, 128, 8192, torch.bfloat16, "cuda")
+    ids = scattered_routes(
+        1, 2, 8192, 8192, block=8, blocks_per_query=128, generator=gen, device="cuda"
+    )
+    mask = build_route_block_mask(ids, 8192, 16, build_flex=False)
+    grad = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = sparse_gqa_attention_reference(qf, kf, vf, ids, query_chunk=512)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
+    args = [t.detach() for t in (q, k, v)]
+    scale = 128**-0.5
+    out, lse = gather_attention_forward(*args, mask.routes, mask.counts, scale)
+    config = {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": key_split}
+    grads = gather_attention_backward(
+        *args, out, grad, lse, mask.routes, mask.counts, scale, _config=config
+    )
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert _relative_error(got, want) < 2e-2, f"d{name}"
+
+
+@pytest.mark.gpu
 def test_cuda_fa4_refuses_routes_its_causal_mask_cannot_serve():
     q, k, v, gen = _inputs(1, 512, 8, 2, 128, 1024, torch.bfloat16, "cuda")
     if (reason := fa4_unavailable_reason(q.device)) is not None:
