@@ -148,6 +148,7 @@ def test_canonical_routes_sort_and_move_repeats_behind_the_distinct_ids():
     routes, counts = canonical_routes(ids, 10)
     assert routes.tolist() == [[[[2, 5, 9, 10, 10, 10], [10] * 6, [0, 1, 3, 7, 10, 10]]]]
     assert counts.tolist() == [[[3, 0, 4]]]
+    assert counts.is_contiguous()  # the kernels read a row's counts at unit stride
 
 
 def test_canonical_routes_keep_rows_that_are_already_ascending():
@@ -417,9 +418,11 @@ def test_gather_forward_sweep_configs_match_the_oracle(block_w):
 @pytest.mark.parametrize("per_group", [True, False])
 def test_gather_backward_configs_and_key_passes_match_the_oracle(block_w, key_split, per_group):
     # passes of 64 and 50 keys over 200: rows span several passes, some passes of a row are empty,
-    # row 4 is empty, repeats take canonical_routes' sorting path; 1000 keys: a single pass
-    q, k, v, gen = _inputs(1, 9, 4, 2, 16, 200, torch.float32)
-    ids = _random_ids((1, 2 if per_group else 1, 9, 90), 200, gen, empty_rows=(4,))
+    # row 4 of each batch row and row 6 of the second are empty, repeats take canonical_routes'
+    # sorting path; 1000 keys: a single pass
+    q, k, v, gen = _inputs(2, 9, 4, 2, 16, 200, torch.float32)
+    ids = _random_ids((2, 2 if per_group else 1, 9, 90), 200, gen, empty_rows=(4,))
+    ids[1, :, 6] = -1
     ids[..., 7, :] = torch.where(ids[..., 7, :] >= 0, ids[..., 7, :] % 40, -1)  # one pass only
     ids = ids if per_group else ids[:, 0]
     grad = torch.randn(q.shape, generator=gen)
@@ -433,7 +436,7 @@ def test_gather_backward_configs_and_key_passes_match_the_oracle(block_w, key_sp
     want = torch.autograd.grad(sparse_gqa_attention_reference(q, k, v, ids, 0.25), (q, k, v), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert (got[0][:, 4] == 0).all()
+    assert (got[0][:, 4] == 0).all() and (got[0][1, 6] == 0).all()
 
 
 def test_key_split_bounds_find_each_pass_slots():
@@ -646,8 +649,8 @@ def test_auto_prefers_fa4_where_it_runs_and_flex_for_forward_only_calls_at_head_
 
 
 def test_repeated_ids_keep_the_causal_mask_mod():
-    """A row's repeats become sentinels inside its counted prefix: the offset must come from the
-    largest valid id, not the last counted slot."""
+    """A row that repeats one of its ids (in a padding slot) selects the same keys: the same causal
+    offset and FA4 alignment as without the repeat."""
     gen = torch.Generator().manual_seed(9)
     ids = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]
     ids[0, 5, -1] = ids[0, 5, 0]  # row 5 repeats one of its ids in a padding slot: same key set

@@ -7,10 +7,10 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
     """Drop padding and repeats so that each row is its distinct ids, ascending, then sentinels.
 
     Rows that already hold strictly ascending valid ids followed by padding (what the route
-    selectors emit) are kept as they are; otherwise every row is sorted, each repeat after its first
-    occurrence becomes the sentinel, and a second sort moves those sentinels behind the ids. Whole
-    rows stay sorted, so a key range's slots are found by binary search (the gather backward's
-    key-range passes). One host synchronisation (the ascending check).
+    selectors emit) are kept as they are; otherwise every row is sorted once and its repeats move,
+    as sentinels, behind its distinct ids. Whole rows stay ascending, so a key range's slots are
+    found by binary search (the gather backward's key-range passes). One host synchronisation (the
+    ascending check).
 
     Args:
         token_ids: integer [batch, route_heads, queries, W]; ids outside [0, kv_length) are padding.
@@ -28,9 +28,16 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
         tail, head = ids[..., 1:], ids[..., :-1]
         if not bool(((tail > head) | (tail == kv_length)).all()):
             ids = ids.sort(dim=-1).values
-            repeat = torch.zeros_like(ids, dtype=torch.bool)
-            repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-            ids = torch.where(repeat, sentinel, ids).sort(dim=-1).values
-            return ids.contiguous(), (ids < kv_length).sum(dim=-1, dtype=torch.int32)
+            keep = ids < kv_length
+            keep[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # first occurrences of valid ids
+            # a permutation, not a second sort: kept ids to the front in order, the rest behind them
+            kept_before = torch.cumsum(keep, dim=-1, dtype=torch.int32)
+            counts = kept_before[..., -1:]
+            dropped_before = torch.arange(1, ids.shape[-1] + 1, device=ids.device) - kept_before
+            slot = torch.where(keep, kept_before - 1, counts + dropped_before - 1)
+            ids = torch.full_like(ids, kv_length).scatter_(
+                -1, slot.long(), torch.where(keep, ids, sentinel)
+            )
+            return ids.contiguous(), counts.squeeze(-1).contiguous()
     counts = valid.sum(dim=-1, dtype=torch.int32)
     return ids.contiguous(), counts

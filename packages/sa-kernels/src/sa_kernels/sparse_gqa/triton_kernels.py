@@ -24,6 +24,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _route_head(h, ROUTE_PER_GROUP: tl.constexpr):
+    """The route row of KV group h, int64: route_heads · Q · W passes 2**31 at long lengths."""
+    if ROUTE_PER_GROUP:
+        rh = h.to(tl.int64)
+    else:
+        rh = tl.zeros([], dtype=tl.int64)
+    return rh
+
+
+@triton.jit
 def _gather_fwd_kernel(
     q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qq, stride_qh,
@@ -41,7 +51,7 @@ def _gather_fwd_kernel(
     bh = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
-    rh = h if ROUTE_PER_GROUP else 0
+    rh64 = _route_head(h, ROUTE_PER_GROUP)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_w = tl.arange(0, BLOCK_W)
@@ -55,8 +65,8 @@ def _gather_fwd_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    route_base = routes_ptr + b64 * stride_rb + rh * stride_rh + q_idx.to(tl.int64) * stride_rq
-    count = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
+    route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q_idx.to(tl.int64) * stride_rq
+    count = tl.load(counts_ptr + b64 * stride_cb + rh64 * stride_ch + q_idx)
     k_base = k_ptr + b64 * stride_kb + h * stride_kh
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -72,7 +82,7 @@ def _gather_fwd_kernel(
         s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
         s = tl.where(w_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of repeats only
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet (defensive)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -114,16 +124,16 @@ def _gather_bwd_kernel(
     bh = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
-    rh = h if ROUTE_PER_GROUP else 0
+    rh64 = _route_head(h, ROUTE_PER_GROUP)
     b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     if SPLIT:  # this pass's slots [lo, hi) of the route; bounds [B, route_heads, Q, passes + 1]
-        bound = bounds_ptr + ((b64 * route_heads + rh) * queries + q64) * (passes + 1)
+        bound = bounds_ptr + ((b64 * route_heads + rh64) * queries + q64) * (passes + 1)
         lo = tl.load(bound + tl.program_id(2))
         hi = tl.load(bound + tl.program_id(2) + 1)
     else:
         lo = tl.zeros([], dtype=tl.int32)
-        hi = tl.load(counts_ptr + b64 * stride_cb + rh * stride_ch + q_idx)
+        hi = tl.load(counts_ptr + b64 * stride_cb + rh64 * stride_ch + q_idx)
     if hi > lo:  # dq starts zeroed: an empty row's gradients are its zeros
         _gather_bwd_program(
             q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, dq_ptr, dk_ptr, dv_ptr,
@@ -131,7 +141,7 @@ def _gather_bwd_kernel(
             stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
             stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
             stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-            b64, h, rh, q_idx, lo, hi, kv_length, scale, scale_log2,
+            b64, h, rh64, q64, lo, hi, kv_length, scale, scale_log2,
             GROUP, HEAD_DIM, SPLIT, BLOCK_G, BLOCK_D, BLOCK_W, IEEE, UPCAST,
         )  # fmt: skip
 
@@ -143,7 +153,7 @@ def _gather_bwd_program(
     stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
     stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
     stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-    b64, h, rh, q_idx, lo, hi, kv_length, scale, scale_log2,
+    b64, h, rh64, q64, lo, hi, kv_length, scale, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -156,7 +166,6 @@ def _gather_bwd_program(
     d_mask = offs_d < HEAD_DIM
     gd_mask = g_mask[:, None] & d_mask[None, :]
     heads = h * GROUP + offs_g
-    q64 = q_idx.to(tl.int64)
     q = tl.load(
         q_ptr + b64 * stride_qb + q64 * stride_qq + heads[:, None] * stride_qh + offs_d[None, :],
         mask=gd_mask,
@@ -177,8 +186,8 @@ def _gather_bwd_program(
         other=0.0,
     )
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, mask=g_mask, other=0.0)
-    route_base = routes_ptr + b64 * stride_rb + rh * stride_rh + q64 * stride_rq
+    lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
+    route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
     k_base = k_ptr + b64 * stride_kb + h * stride_kh
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
     dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
@@ -213,9 +222,9 @@ def _blocks(group: int, head_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
 
 
-# Keys per backward pass: their FP32 dK and dV accumulators take 16 MiB (per KV group), which leaves
-# the pass's K/V rows room in the H200's L2 cache as well.
-PASS_ELEMENTS = 2**21
+# FP32 dK (and as many dV) elements one backward pass accumulates per KV group: 16 MiB for both, which
+# leaves the pass's K/V rows room in the H200's L2 cache as well.
+PASS_ACCUMULATOR_ELEMENTS = 2**21
 
 
 def default_config(head_dim: int, backward: bool) -> dict:
@@ -223,11 +232,10 @@ def default_config(head_dim: int, backward: bool) -> dict:
     the keys per pass (`KEY_SPLIT`; 0 = one pass): the H200 sweeps' best on scattered routes
     (`bench_sparse_gqa.py --sweep-gather`, 2026-11-29, docs/benchmarks.md). Backward at 128k, D 128:
     947 ms in one pass, 614 ms in passes of 16384 keys."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
     if backward:
-        split = PASS_ELEMENTS // block_d
+        split = PASS_ACCUMULATOR_ELEMENTS // head_dim
         return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": split}
-    return {"BLOCK_W": 32 if block_d > 128 else 128, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
 
 
 # Candidates `bench_sparse_gqa.py --sweep-gather` times against the defaults (each is checked against
@@ -316,8 +324,9 @@ def gather_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward.
 
-    With more keys than one pass holds, dq is first summed in an FP32 buffer of the query's shape
-    (at 128k tokens, 64 heads, D 128: 4 GiB), freed on return."""
+    dK and dV are FP32 atomic sums, so their last bits can differ between runs. With more keys than
+    one pass holds, dq is too: it is summed over the passes in an FP32 buffer of the query's shape
+    (at 128k tokens, 64 heads, D 128: 4 GiB, plus the 2 GiB BF16 result while both are alive)."""
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
@@ -329,7 +338,7 @@ def gather_attention_backward(
         bounds = key_split_bounds(routes, key.shape[1], split)
         dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     else:
-        bounds = counts  # unused
+        bounds = counts  # a placeholder pointer: the kernel reads bounds only with SPLIT
         dq = torch.zeros_like(query)
     dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
