@@ -137,5 +137,21 @@ def test_cu_seqlens_must_start_at_zero_and_increase():
         validate_cu_seqlens("op", (0, 11), 10)
 
 
+@pytest.mark.parametrize("bounds", [(0, 7.9, 20), ["0", "10", "20"], (0, True, 20), "0,10"])
+def test_cu_seqlens_of_non_integers_are_rejected_not_truncated(bounds):
+    with pytest.raises(TypeError, match="cu_seqlens must be"):
+        validate_cu_seqlens("op", bounds, 20)
+
+
+@pytest.mark.parametrize(("batch", "length"), [(2, -5), (-1, 5), (2, 5.5), (True, 5)])
+def test_right_padded_lengths_reject_bad_sizes(batch, length):
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        right_padded_sequence_lengths(None, batch, length, "cpu")
+
+
 def test_packed_blocks_restart_at_every_document():
     assert packed_block_starts((0, 5, 7, 16), 3) == (0, 1, 1, 4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        packed_block_starts((0, 8, 4), 2)
+    with pytest.raises(ValueError, match="compress_ratio must be an int >= 1"):
+        packed_block_starts((0, 4, 8), 0)

@@ -183,6 +183,17 @@ def test_context_parallel_context_validates_the_shard():
         QSAContextParallel((0, 2, 24, 12))
     with pytest.raises(ValueError, match="sequence_lengths must lie"):
         QSAContextParallel(ContextParallelLayout(0, 2, 24, 12), sequence_lengths=(25,))
+    with pytest.raises(TypeError, match="sequence_lengths must be a tuple of ints"):
+        QSAContextParallel(ContextParallelLayout(0, 2, 24, 12), sequence_lengths=(True, True))
+    with pytest.raises(TypeError, match="cu_seqlens must be"):
+        QSAContextParallel(ContextParallelLayout(0, 2, 24, 12), cu_seqlens=(0, 10.9, 24))
+    packed = QSAContextParallel(ContextParallelLayout(0, 2, 24, 12), cu_seqlens=[0, 10, 24])
+    assert packed.cu_seqlens == (0, 10, 24)  # the validated host tuple
+    empty = QSAContextParallel(ContextParallelLayout(0, 1, 12, 12), sequence_lengths=())
+    with pytest.raises(ValueError, match="sequence_lengths has 0 rows"):
+        small_indexer(torch.float32)(
+            torch.randn(1, 12, 40), rotary_table(torch.arange(12)[None], 8), cp_context=empty
+        )
     ctx = QSAContextParallel.create(
         12, global_length=10, attention_mask=torch.tensor([[1] * 7 + [0] * 3])
     )

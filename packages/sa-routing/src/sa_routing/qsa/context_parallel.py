@@ -13,7 +13,7 @@ import torch
 
 from sa_cp import ContextParallelLayout, group_rank_and_size
 
-from .lengths import _right_padded_lengths_host, validate_cu_seqlens
+from .lengths import _is_int, _right_padded_lengths_host, validate_cu_seqlens
 
 _OP = "QSAContextParallel"
 
@@ -44,13 +44,24 @@ class QSAContextParallel:
                 f"{_OP}: give either sequence_lengths (padding) or cu_seqlens (packing), not both"
             )
         if self.sequence_lengths is not None:
+            if isinstance(self.sequence_lengths, (str, bytes, torch.Tensor)) or not all(
+                _is_int(x) for x in self.sequence_lengths
+            ):
+                raise TypeError(
+                    f"{_OP}: sequence_lengths must be a tuple of ints (one per batch row); "
+                    f"got {self.sequence_lengths!r}"
+                )
+            object.__setattr__(
+                self, "sequence_lengths", tuple(int(x) for x in self.sequence_lengths)
+            )
             bad = [x for x in self.sequence_lengths if not 0 <= x <= self.global_length]
             if bad:
                 raise ValueError(
                     f"{_OP}: sequence_lengths must lie in [0, {self.global_length}]; got {bad[:4]}"
                 )
-        if self.cu_seqlens is not None:
-            validate_cu_seqlens(_OP, self.cu_seqlens, self.global_length)
+        if self.cu_seqlens is not None:  # kept as the validated host tuple
+            bounds = validate_cu_seqlens(_OP, self.cu_seqlens, self.global_length)
+            object.__setattr__(self, "cu_seqlens", bounds)
 
     group = property(lambda self: self.layout.group)
     rank = property(lambda self: self.layout.rank)

@@ -270,7 +270,9 @@ class QSAIndexer(nn.Module):
                     f"{_OP}: cu_seqlens (packed documents) needs batch 1; got batch {batch}"
                 )
             return cp_context.cu_seqlens, []
-        lengths = cp_context.sequence_lengths or (cp_context.global_length,) * batch
+        lengths = cp_context.sequence_lengths
+        if lengths is None:
+            lengths = (cp_context.global_length,) * batch
         if len(lengths) != batch:
             raise ValueError(
                 f"{_OP}: cp_context.sequence_lengths has {len(lengths)} rows; the batch has {batch}"

@@ -6,6 +6,8 @@ from the device once (the one host synchronisation of a route selection).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -63,6 +65,11 @@ def right_padded_sequence_lengths(
             or a row is left-padded or has interior zeros.
         TypeError: the mask is not a tensor or is complex.
     """
+    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length)):
+        if not _is_int(value) or value < 0:
+            raise ValueError(
+                f"right_padded_sequence_lengths: {name} must be an int >= 0; got {value!r}"
+            )
     if mask is None:
         return torch.full((batch_size,), sequence_length, dtype=torch.int64, device=device)
     lengths = _right_padded_lengths_host(
@@ -87,6 +94,10 @@ def validate_cu_seqlens(
             )
         bounds = tuple(int(x) for x in cu_seqlens.tolist())
     else:
+        if isinstance(cu_seqlens, (str, bytes)) or not all(_is_int(x) for x in cu_seqlens):
+            raise TypeError(
+                f"{op}: cu_seqlens must be a 1-D integer tensor or a sequence of ints; got {cu_seqlens!r}"
+            )
         bounds = tuple(int(x) for x in cu_seqlens)
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(
@@ -110,8 +121,22 @@ def packed_block_starts(cu_seqlens: tuple[int, ...], compress_ratio: int) -> tup
     """Index of each document's first compressed block when blocks restart at every document start.
 
     Document d holds blocks `[starts[d], starts[d + 1])`; `starts[-1]` is the total block count.
+    Raises:
+        ValueError: `compress_ratio` not an int >= 1; `cu_seqlens` not strictly increasing from 0.
     """
+    if not _is_int(compress_ratio) or compress_ratio < 1:
+        raise ValueError(
+            f"packed_block_starts: compress_ratio must be an int >= 1; got {compress_ratio!r}"
+        )
+    cu_seqlens = validate_cu_seqlens(
+        "packed_block_starts", cu_seqlens, cu_seqlens[-1] if len(cu_seqlens) else 0
+    )
     starts = [0]
     for d in range(len(cu_seqlens) - 1):
         starts.append(starts[-1] + (cu_seqlens[d + 1] - cu_seqlens[d]) // compress_ratio)
     return tuple(starts)
+
+
+def _is_int(value: object) -> bool:
+    """A Python or NumPy integer, not a bool (True would read as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -183,6 +183,7 @@ def select_qsa_token_ids(
                 not isinstance(sequence_lengths, torch.Tensor)
                 or sequence_lengths.is_floating_point()
                 or sequence_lengths.is_complex()
+                or sequence_lengths.dtype == torch.bool
             ):
                 raise TypeError(
                     f"{_OP}: sequence_lengths must be an integer tensor, a list of ints or None"
