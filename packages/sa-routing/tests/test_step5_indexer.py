@@ -15,6 +15,7 @@ from sa_routing import (
     region_metadata,
     summarize_regions,
 )
+from sa_routing.step5.indexer import region_summaries
 from sa_routing.step5.reference import (
     reference_project_keys,
     reference_project_queries,
@@ -74,6 +75,9 @@ def test_config_defaults_are_the_reference_geometry() -> None:
         ({"rope_dim": 512}, "rope_dim"),
         ({"rope_theta": ()}, "rope_theta"),
         ({"norm_eps": 0.0}, "norm_eps"),
+        ({"norm_eps": float("inf")}, "norm_eps"),
+        ({"rope_theta": float("nan")}, "rope_theta"),
+        ({"rope_theta": (1e4, float("inf"))}, "rope_theta"),
     ],
     ids=[
         "topk-0",
@@ -83,11 +87,44 @@ def test_config_defaults_are_the_reference_geometry() -> None:
         "rope-too-large",
         "theta-empty",
         "eps-0",
+        "eps-inf",
+        "theta-nan",
+        "theta-inf",
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Step5SparseConfig(**kwargs)
+
+
+def test_parts_reject_inputs_they_would_silently_get_wrong() -> None:
+    """Integer activations (an int-cast weight projects to zeros), float or bool positions (would be
+    rotated as given), a non-positive RoPE base (NaN angles), keys of another batch than the
+    metadata (rows summarised as zeros)."""
+    with pytest.raises(TypeError, match="hidden must be a floating tensor"):
+        Step5IndexerWeightProjection(8, 2, 3)(torch.ones(1, 2, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"hidden_size=8"):
+        Step5IndexerWeightProjection(8, 2, 3)(torch.ones(1, 2, 9))
+    rope = Step5IndexerRotaryEmbedding(4, 100.0)
+    x = torch.randn(1, 2, 6)
+    with pytest.raises(TypeError, match="positions must be int64"):
+        rope(x, torch.tensor([[0.5, 1.5]]))
+    with pytest.raises(TypeError, match="positions must be int64"):
+        rope(x, torch.tensor([[True, False]]))
+    with pytest.raises(TypeError, match="x must be a floating tensor"):
+        rope(x.long(), torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="rope_dim=4"):
+        rope(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.int64))
+    for theta in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="theta must be a finite float > 0"):
+            Step5IndexerRotaryEmbedding(4, theta)
+    with pytest.raises(ValueError, match="rope_dim must be an even int"):
+        Step5IndexerRotaryEmbedding(5, 100.0)
+    positions, padding = document_positions([16], 16)
+    metadata = region_metadata(positions[None], padding[None], 0, 16, SMALL.region_size, SMALL.topk)
+    keys = torch.randn(2, 16, SMALL.proxy_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(batch, global_length\) = \(1, 16\)"):
+        region_summaries(keys, keys, metadata)
 
 
 def test_q_norm_rounds_its_weight_to_bf16_before_the_zero_centred_scale() -> None:

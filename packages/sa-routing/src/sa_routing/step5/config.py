@@ -1,5 +1,6 @@
 """`Step5SparseConfig`: the geometry of one Step-5 CSA indexer (SEMANTICS §1.2)."""
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,13 +61,20 @@ class Step5SparseConfig:
             )
         thetas = self.rope_theta if isinstance(self.rope_theta, Sequence) else (self.rope_theta,)
         if not thetas or any(
-            isinstance(t, bool) or not isinstance(t, int | float) or t <= 0 for t in thetas
+            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf
+            for t in thetas
         ):
             raise ValueError(
                 f"Step5SparseConfig: rope_theta must be a positive float or a non-empty tuple of them; got {self.rope_theta!r}"
             )
-        if not isinstance(self.norm_eps, int | float) or not self.norm_eps > 0:
-            raise ValueError(f"Step5SparseConfig: norm_eps must be > 0; got {self.norm_eps!r}")
+        if (
+            isinstance(self.norm_eps, bool)
+            or not isinstance(self.norm_eps, int | float)
+            or not 0 < self.norm_eps < math.inf
+        ):
+            raise ValueError(
+                f"Step5SparseConfig: norm_eps must be a finite float > 0; got {self.norm_eps!r}"
+            )
 
     @property
     def heads_per_group(self) -> int:

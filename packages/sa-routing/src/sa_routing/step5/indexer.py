@@ -219,7 +219,17 @@ class Step5SparseIndexer(nn.Module):
 def region_summaries(
     keys: torch.Tensor, logits: torch.Tensor, metadata: RegionMetadata
 ) -> torch.Tensor:
-    """BF16 [B, N, D] summaries of the regions in `metadata.summary_ranges` (zero elsewhere)."""
+    """BF16 [B, N, D] summaries of the regions in `metadata.summary_ranges` (zero elsewhere).
+
+    keys, logits: [B, S, D] of the whole sequence `metadata` describes (B = metadata.batch_size,
+    S = metadata.global_length)."""
+    for name, t in (("keys", keys), ("logits", logits)):
+        want = (metadata.batch_size, metadata.global_length)
+        if t.dim() != 3 or tuple(t.shape[:2]) != want or not t.is_floating_point():
+            raise ValueError(
+                f"region_summaries: {name} must be floating [batch, global_length, D] with "
+                f"(batch, global_length) = {want}; got {tuple(t.shape)} {t.dtype}"
+            )
     batch, _, dim = keys.shape
     summary = torch.zeros(
         batch, metadata.region_count, dim, dtype=torch.bfloat16, device=keys.device

@@ -27,6 +27,15 @@ class Step5IndexerWeightProjection(nn.Module):
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not hidden.is_floating_point():
+            raise TypeError(
+                f"Step5IndexerWeightProjection: hidden must be a floating tensor; got {hidden.dtype}"
+            )
+        if hidden.shape[-1:] != self.weight.shape[1:]:
+            raise ValueError(
+                "Step5IndexerWeightProjection: hidden must be [..., hidden_size="
+                f"{self.weight.shape[1]}]; got {tuple(hidden.shape)}"
+            )
         projected = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype)).float()
         scaled = projected * self.heads_per_group**-0.5
         return scaled.view(*hidden.shape[:-1], self.groups, self.heads_per_group)

@@ -1,5 +1,7 @@
 """`Step5IndexerRotaryEmbedding`: NeoX half-split RoPE over the leading `rope_dim` dims, FP32 math."""
 
+import math
+
 import torch
 from torch import nn
 
@@ -13,6 +15,23 @@ class Step5IndexerRotaryEmbedding(nn.Module):
 
     def __init__(self, rope_dim: int, theta: float) -> None:
         super().__init__()
+        if (
+            isinstance(rope_dim, bool)
+            or not isinstance(rope_dim, int)
+            or rope_dim < 0
+            or rope_dim % 2
+        ):
+            raise ValueError(
+                f"Step5IndexerRotaryEmbedding: rope_dim must be an even int >= 0; got {rope_dim!r}"
+            )
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, int | float)
+            or not 0 < theta < math.inf
+        ):
+            raise ValueError(
+                f"Step5IndexerRotaryEmbedding: theta must be a finite float > 0; got {theta!r}"
+            )
         self.rope_dim = rope_dim
         self.theta = theta
 
@@ -23,12 +42,21 @@ class Step5IndexerRotaryEmbedding(nn.Module):
         return 1.0 / (self.theta**exponent)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.rope_dim == 0:
-            return x
+        op = "Step5IndexerRotaryEmbedding"
+        if not x.is_floating_point():
+            raise TypeError(f"{op}: x must be a floating tensor; got {x.dtype}")
+        if x.dim() < 3 or x.shape[-1] < self.rope_dim:
+            raise ValueError(
+                f"{op}: x must be [batch, tokens, ..., D >= rope_dim={self.rope_dim}]; got {tuple(x.shape)}"
+            )
+        if positions.dtype != torch.int64:
+            raise TypeError(f"{op}: positions must be int64; got {positions.dtype}")
         if positions.shape != x.shape[:2]:
             raise ValueError(
-                f"Step5IndexerRotaryEmbedding: positions must be {tuple(x.shape[:2])}; got {tuple(positions.shape)}"
+                f"{op}: positions must be {tuple(x.shape[:2])}; got {tuple(positions.shape)}"
             )
+        if self.rope_dim == 0:
+            return x
         half = self.rope_dim // 2
         angles = positions.to(torch.float32).unsqueeze(-1) * self.inverse_frequencies(x.device)
         angles = angles.view(*positions.shape, *([1] * (x.dim() - 3)), half)
