@@ -156,6 +156,17 @@ def test_errors_name_the_argument_and_the_values():
         clamped_swiglu(gate.double(), up.double(), 1.0, backend="triton")
     with pytest.raises(TypeError, match=r"limit must be a float"):
         clamped_swiglu(gate, up, "7")
+    with pytest.raises(ValueError, match=r"limit must not be NaN"):
+        clamped_swiglu(gate, up, float("nan"))
+
+
+def test_empty_inputs_give_empty_outputs_on_every_backend():
+    for backend in ("triton", "reference"):
+        gate = torch.randn(3, 0, requires_grad=True)
+        out = clamped_swiglu(gate, torch.randn(3, 0), 1.0, backend=backend)
+        assert out.shape == (3, 0)
+        out.sum().backward()
+        assert gate.grad.shape == (3, 0)
 
 
 @pytest.mark.gpu

@@ -79,6 +79,20 @@ def test_errors_name_the_argument_and_the_values():
         layer_norm_e2(x.int(), w, b, EPS)
     with pytest.raises(TypeError, match=r"Triton path.*float64"):
         layer_norm_e2(x.double(), w, b, EPS, backend="triton")
+    with pytest.raises(ValueError, match=r"eps must be a finite, non-negative"):
+        layer_norm_e2(x, w, b, float("nan"))
+    with pytest.raises(ValueError, match=r"at least one channel"):
+        layer_norm_e2(torch.randn(3, 0), torch.randn(0), torch.randn(0), EPS)
+
+
+def test_strided_weight_and_bias_are_read_as_their_values():
+    x, w, b = _inputs((4, 32), torch.float32)
+    w2, b2 = torch.stack([w, -w], -1).flatten()[::2], torch.stack([b, -b], -1).flatten()[::2]
+    assert w2.stride() == (2,) and torch.equal(w2, w) and torch.equal(b2, b)
+    torch.testing.assert_close(
+        layer_norm_e2(x, w2, b2, EPS, backend="triton"),
+        layer_norm_e2(x, w, b, EPS, backend="triton"),
+    )
 
 
 @pytest.mark.gpu

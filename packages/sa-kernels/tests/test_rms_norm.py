@@ -127,14 +127,29 @@ def test_errors_name_the_argument_and_the_values():
         rms_norm(torch.ones(4, 8, dtype=torch.int64), w, EPS)
     with pytest.raises(TypeError, match=r"Triton path.*float64"):
         rms_norm(x.double(), w, EPS, backend="triton")
-    with pytest.raises(ValueError, match=r"eps must be a non-negative"):
+    with pytest.raises(ValueError, match=r"eps must be a finite, non-negative"):
         rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match=r"eps must be a finite, non-negative"):
+        rms_norm(x, w, float("nan"))
+    with pytest.raises(ValueError, match=r"at least one channel"):
+        rms_norm(torch.randn(3, 0), torch.randn(0), EPS)
     with pytest.raises(ValueError, match=r"grouped_rms_norm: q must"):
         grouped_rms_norm(x, w, EPS)
     with pytest.raises(ValueError, match=r"channel stride 1"):
         grouped_rms_norm(torch.randn(2, 8, 3).transpose(1, 2), w, EPS)
     with pytest.raises(ValueError, match=r"backend must be"):
         rms_norm(x, w, EPS, backend="cuda")
+
+
+def test_strided_weights_are_read_as_their_values():
+    """A weight view with stride 2 (or an expanded one): the kernels read the weight at unit stride."""
+    x, _ = _inputs((5, 8), torch.float32)
+    for weight in (torch.randn(16)[::2], torch.full((1,), 0.5).expand(8)):
+        want = rms_norm(x, weight.contiguous(), EPS, backend="reference")
+        torch.testing.assert_close(rms_norm(x, weight, EPS, backend="triton"), want)
+        q = x.view(5, 1, 8)
+        got = grouped_rms_norm(q, weight, EPS, backend="triton")
+        torch.testing.assert_close(got.view(5, 8), want)
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_an_error(monkeypatch):

@@ -1,5 +1,7 @@
 """Clamped SwiGLU (SEMANTICS §1.1): `min(silu(gate), limit) * clamp(up, -limit, limit)`, FP32 math in registers."""
 
+import math
+
 import torch
 
 from sa_kernels.backend import resolve_backend
@@ -52,7 +54,7 @@ def clamped_swiglu(
         [..., features] contiguous, gate's dtype; differentiable with respect to gate and up.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes (float64 on Triton), non-numeric limit.
-        ValueError: shapes differ, gate is a scalar, bad backend.
+        ValueError: shapes differ, gate is a scalar, limit is NaN, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     fn = "clamped_swiglu"
@@ -74,7 +76,11 @@ def clamped_swiglu(
         raise ValueError(f"{fn}: gate must have at least one dim ([..., features]); got a scalar")
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
         raise TypeError(f"{fn}: limit must be a float; got {type(limit).__name__}")
+    if math.isnan(limit):  # every comparison with NaN is false: both clamps would vanish silently
+        raise ValueError(f"{fn}: limit must not be NaN (use limit <= 0 to disable the clamps)")
     chosen = resolve_backend(fn, backend, gate, up)
+    if gate.numel() == 0:  # nothing to compute; the kernels' launch grid cannot be empty
+        chosen = "reference"
     if chosen == "triton" and gate.dtype == torch.float64:
         raise TypeError(
             f"{fn}: the Triton path takes bfloat16, float16 or float32; got {gate.dtype}"

@@ -1,5 +1,7 @@
 """The indexer's key LayerNorm: FP32 statistics with variance `E[x²] − E[x]²`, weight/bias in x's dtype."""
 
+import math
+
 import torch
 
 from sa_kernels.backend import resolve_backend
@@ -28,7 +30,8 @@ def layer_norm_e2(
         [..., channels] in x's dtype, contiguous.
     Raises:
         TypeError: non-tensors, unsupported dtypes (float64 on Triton).
-        ValueError: weight or bias not [channels], negative eps, more than 65536 channels on Triton, bad backend.
+        ValueError: weight or bias not [channels], no channels, eps negative or not finite, more than
+            65536 channels on Triton, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     fn = "layer_norm_e2"
@@ -44,8 +47,11 @@ def layer_norm_e2(
             raise ValueError(
                 f"{fn}: {name} must be [channels] with channels == x.shape[-1] ({x.shape[-1]}); got {tuple(t.shape)}"
             )
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{fn}: x must have at least one channel; got shape {tuple(x.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{fn}: eps must be a finite, non-negative float; got {eps!r}")
+    weight, bias = weight.contiguous(), bias.contiguous()  # the kernel reads them at unit stride
     chosen = resolve_backend(fn, backend, x, weight, bias)
     with torch.no_grad():
         if chosen == "reference":

@@ -4,6 +4,8 @@
 dtype; backward gives dx in x's dtype and dweight in the weight's dtype (FP32 accumulation).
 """
 
+import math
+
 import torch
 
 from sa_kernels.backend import resolve_backend
@@ -90,8 +92,10 @@ def _check(
         raise ValueError(
             f"{fn}: weight must be [channels] with channels == {name}.shape[-1] ({x.shape[-1]}); got {tuple(weight.shape)}"
         )
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{fn}: {name} must have at least one channel; got shape {tuple(x.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{fn}: eps must be a finite, non-negative float; got {eps!r}")
     if output_dtype is None:
         output_dtype = x.dtype
     if not isinstance(output_dtype, torch.dtype) or output_dtype not in _FLOATS:
@@ -137,14 +141,15 @@ def rms_norm_with_rstd(
         not differentiable. Gradients flow to x (its dtype) and weight (its dtype, FP32 accumulation).
     Raises:
         TypeError: non-tensor inputs, unsupported dtypes (float64 on the Triton path).
-        ValueError: weight not [channels], negative eps, more than 65536 channels on Triton, bad backend.
+        ValueError: weight not [channels], no channels, eps negative or not finite, more than 65536
+            channels on Triton, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     backend, output_dtype = _check("rms_norm", x, weight, eps, output_dtype, backend)
     shape = x.shape
     y, rstd = _RMSNorm.apply(
         x.reshape(-1, shape[-1]),
-        weight,
+        weight.contiguous(),  # the kernels read the weight at unit stride
         float(eps),
         output_dtype,
         zero_centered,
@@ -213,5 +218,11 @@ def grouped_rms_norm(
     if q.stride(-1) != 1 and q.shape[-1] > 1:
         raise ValueError(f"{fn}: q must have channel stride 1; got strides {q.stride()}")
     return _RMSNorm.apply(
-        q, weight, float(eps), output_dtype, zero_centered, weight_in_activation_dtype, backend
+        q,
+        weight.contiguous(),
+        float(eps),
+        output_dtype,
+        zero_centered,
+        weight_in_activation_dtype,
+        backend,
     )[0]
