@@ -182,6 +182,32 @@ def test_shard_sequence_rejects_a_tensor_of_another_length():
 def test_gather_halo_rejects_halo_larger_than_the_shard():
     with pytest.raises(ValueError, match="halo must be"):
         gather_halo(torch.randn(1, 4, 2), 5)
+    with pytest.raises(ValueError, match="halo must be"):
+        gather_halo(torch.randn(1, 4, 2), True)
+
+
+@pytest.mark.parametrize("dim", [3, -4, 1.0])
+def test_collectives_reject_a_dim_outside_the_tensor_instead_of_wrapping_it(dim):
+    x = torch.randn(1, 4, 2)
+    for fn in (gather_sequence, gather_no_grad):
+        with pytest.raises(ValueError, match=r"dim must be an int in \[-3, 3\)"):
+            fn(x, None, dim)
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-3, 3\)"):
+        gather_halo(x, 1, None, dim)
+    with pytest.raises(TypeError, match="at least one dim"):
+        gather_no_grad(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"global_length": 10.0, "size": 2, "rank": 0}, {"global_length": 16, "size": 2, "rank": True}],
+    ids=["float-length", "bool-rank"],
+)
+def test_layouts_take_ints_only(kwargs):
+    with pytest.raises(TypeError, match="must be an int"):
+        ContextParallelLayout.create(**kwargs)
+    with pytest.raises(TypeError, match="local_length must be an int"):
+        ContextParallelLayout(0, 2, 10, 5.0)
 
 
 def _none_group_is_single_rank(rank, world_size):

@@ -84,6 +84,19 @@ class _GatherSequence(torch.autograd.Function):
         return _sum_own_shard(grad, ctx.group, ctx.dim), None, None, None
 
 
+def _sequence_dim(fn: str, x: torch.Tensor, dim: int) -> int:
+    """`dim` as a non-negative index of x's dims; raises rather than wrapping an out-of-range one."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{fn}: x must be a tensor with at least one dim; got {got}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+            f"{tuple(x.shape)}; got {dim!r}"
+        )
+    return dim % x.dim()
+
+
 def gather_sequence(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -101,9 +114,10 @@ def gather_sequence(
         [..., size * local_length, ...], rank order. Backward reduce-scatters: each rank's shard receives
         the sum of every rank's gradient for it.
     """
+    dim = _sequence_dim("gather_sequence", x, dim)
     if _world(group)[1] == 1:
         return x
-    return _GatherSequence.apply(x, group, dim % x.dim(), validate_shapes)
+    return _GatherSequence.apply(x, group, dim, validate_shapes)
 
 
 def gather_no_grad(
@@ -114,8 +128,9 @@ def gather_no_grad(
     validate_shapes: bool = False,
 ) -> torch.Tensor:
     """`gather_sequence` without autograd, for metadata and frozen indexer keys (returns a detached tensor)."""
+    dim = _sequence_dim("gather_no_grad", x, dim)
     with torch.no_grad():
-        return _all_gather(x.detach(), group, dim % x.dim(), "gather_no_grad", validate_shapes)
+        return _all_gather(x.detach(), group, dim, "gather_no_grad", validate_shapes)
 
 
 def _exchange_with_neighbours(
@@ -183,8 +198,8 @@ def gather_halo(
     Returns:
         [..., halo + local_length, ...]. Backward sends the halo's gradient back to its owner.
     """
-    dim = dim % x.dim()
-    if not isinstance(halo, int) or not 0 <= halo <= x.size(dim):
+    dim = _sequence_dim("gather_halo", x, dim)
+    if isinstance(halo, bool) or not isinstance(halo, int) or not 0 <= halo <= x.size(dim):
         raise ValueError(
             f"gather_halo: halo must be an int in [0, x.size({dim})={x.size(dim)}]; got {halo!r}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,8 @@ class ContextParallelLayout:
     group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("rank", "size", "global_length", "local_length", "multiple_of"):
+            _check_int(f"ContextParallelLayout: {name}", getattr(self, name))
         if self.size < 1:
             raise ValueError(f"ContextParallelLayout: size must be >= 1; got {self.size}")
         if not 0 <= self.rank < self.size:
@@ -88,9 +91,22 @@ class ContextParallelLayout:
             ValueError: the length does not split into `size` shards that are multiples of
                 `multiple_of` (and `pad` is False), the rank is out of range, sizes are not positive.
         """
+        for name, value in (("global_length", global_length), ("multiple_of", multiple_of)):
+            _check_int(f"ContextParallelLayout.create: {name}", value)
         group_rank, group_size = group_rank_and_size(group)
+        if (
+            group is not None
+            and (rank, size) != (None, None)
+            and (rank, size) != (group_rank, group_size)
+        ):
+            raise ValueError(
+                "ContextParallelLayout.create: rank/size plan a layout without a process group; with "
+                f"a group they come from it (rank {group_rank}, size {group_size}); got rank={rank}, size={size}"
+            )
         rank = group_rank if rank is None else rank
         size = group_size if size is None else size
+        _check_int("ContextParallelLayout.create: rank", rank)
+        _check_int("ContextParallelLayout.create: size", size)
         if size < 1:
             raise ValueError(f"ContextParallelLayout.create: size must be >= 1; got {size}")
         if multiple_of < 1:
@@ -119,6 +135,11 @@ class ContextParallelLayout:
     @property
     def local_stop(self) -> int:
         return self.local_start + self.local_length
+
+
+def _check_int(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int; got {value!r}")
 
 
 def shard_sequence(
