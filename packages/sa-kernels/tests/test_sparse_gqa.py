@@ -756,8 +756,26 @@ def test_build_route_block_mask_errors():
         build_route_block_mask(ids[0], 8, 2)
     with pytest.raises(ValueError, match="multiple of the route heads"):
         build_route_block_mask(ids.view(1, 2, 2, 3), 8, 3)
-    with pytest.raises(ValueError, match="kv_length must be >= 1"):
+    with pytest.raises(ValueError, match=r"kv_length must be in \[1, 2\*\*31 - 1\)"):
         build_route_block_mask(ids, 0, 2)
+    with pytest.raises(ValueError, match="kv_length must be in"):
+        build_route_block_mask(ids, 2**31, 2)
+    with pytest.raises(TypeError, match=r"kv_length must be an int; got 8\.0"):
+        build_route_block_mask(ids, 8.0, 2)
+    with pytest.raises(TypeError, match="query_heads must be an int; got None"):
+        build_route_block_mask(ids, 8, None)
+    with pytest.raises(TypeError, match="build_flex must be None, True or False"):
+        build_route_block_mask(ids, 8, 2, build_flex="no")
+    with pytest.raises(ValueError, match="must not be empty"):
+        build_route_block_mask(ids[..., :0], 8, 2)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True])
+def test_softmax_scale_must_be_a_finite_float(scale):
+    q, k, v, gen = _inputs(1, 4, 2, 1, 8, 6, torch.float32)
+    ids = _random_ids((1, 4, 3), 6, gen)
+    with pytest.raises(TypeError, match="softmax_scale must be None or a finite float"):
+        sparse_gqa_attention(q, k, v, ids, scale)
 
 
 # ---------------------------------------------------------------- CUDA, real sizes

@@ -18,6 +18,7 @@ which is what a block-aligned causal Flex mask compiles to.
 """
 
 import functools
+import math
 
 import torch
 
@@ -295,7 +296,10 @@ def sparse_gqa_attention(
         block_mask: a `build_route_block_mask(token_ids, kv_length, query_heads)` result for these
             routes, to reuse across layers and recompute; built here when None (gather, flex, auto;
             auto builds with `build_flex=None`: one host sync for the tile statistics). A mask built
-            with `build_flex=False` makes "auto" run gather.
+            with `build_flex=False` makes "auto" run gather. When given, the fast backends attend
+            over the mask's routes and do not read `token_ids` again (only its shape is checked:
+            comparing the ids would cost a pass and a host sync per call), so the mask must come
+            from these same ids; the reference backend reads `token_ids`.
         _flex_options: private; Flex `kernel_options` overriding `flex_kernel_options` (benchmark
             sweeps).
     Returns:
@@ -303,7 +307,7 @@ def sparse_gqa_attention(
         gives 0 and zero gradients.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
-            block_mask that is not a RouteBlockMask.
+            block_mask that is not a RouteBlockMask, a softmax_scale that is not a finite float.
         ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
             block_mask built for other routes, backend 'fa4' on routes it does not serve.
         RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
@@ -313,6 +317,14 @@ def sparse_gqa_attention(
     _validate(fn, query, key, value, token_ids, backend)
     if block_mask is not None:
         _check_block_mask(fn, block_mask, query, key, token_ids)
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+    ):
+        raise TypeError(
+            f"{fn}: softmax_scale must be None or a finite float; got {softmax_scale!r}"
+        )
     scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     on_cuda = query.device.type == "cuda"
     if backend == "fa4":

@@ -204,9 +204,10 @@ def build_route_block_mask(
     Returns:
         RouteBlockMask, reusable across layers and in recompute for the same routes and geometry.
     Raises:
-        TypeError: token_ids is not an integer tensor.
-        ValueError: token_ids is not 3-D or 4-D, kv_length < 1, or query_heads is not a positive
-            multiple of the route heads.
+        TypeError: token_ids is not an integer tensor; kv_length or query_heads not an int;
+            build_flex not None/True/False.
+        ValueError: token_ids is not 3-D or 4-D or has an empty dim, kv_length outside
+            [1, 2**31 - 1), or query_heads is not a positive multiple of the route heads.
     """
     fn = "build_route_block_mask"
     if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in (torch.int32, torch.int64):
@@ -217,8 +218,18 @@ def build_route_block_mask(
             f"{fn}: token_ids must be [batch, queries, W] or [batch, kv_heads, queries, W]; "
             f"got shape {tuple(token_ids.shape)}"
         )
-    if kv_length < 1:
-        raise ValueError(f"{fn}: kv_length must be >= 1; got {kv_length}")
+    if min(token_ids.shape, default=1) == 0:
+        raise ValueError(
+            f"{fn}: token_ids must not be empty (batch, queries and W >= 1); got shape "
+            f"{tuple(token_ids.shape)}"
+        )
+    for name, value in (("kv_length", kv_length), ("query_heads", query_heads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+    if not 1 <= kv_length < 2**31 - 1:  # ids and the sentinel kv_length are int32
+        raise ValueError(f"{fn}: kv_length must be in [1, 2**31 - 1); got {kv_length}")
+    if build_flex not in (None, True, False):
+        raise TypeError(f"{fn}: build_flex must be None, True or False; got {build_flex!r}")
     routes4 = token_ids.unsqueeze(1) if token_ids.dim() == 3 else token_ids
     route_heads = routes4.shape[1]
     if query_heads < 1 or query_heads % route_heads:
