@@ -87,8 +87,9 @@ def test_clamped_swiglu_mlp_gradients_match_the_formula_with_active_clamps():
     [
         (lambda: Step5RMSNorm(0), "hidden_size must be >= 1"),
         (lambda: ClampedSwiGLUMLP(0, 4, 1.0), "hidden_size and intermediate_size"),
+        (lambda: ClampedSwiGLUMLP(4, 4, float("nan")), "limit must be a float, not NaN"),
     ],
-    ids=["norm-empty", "mlp-empty"],
+    ids=["norm-empty", "mlp-empty", "mlp-nan-limit"],
 )
 def test_bad_sizes_raise(factory, message):
     with pytest.raises(ValueError, match=message):

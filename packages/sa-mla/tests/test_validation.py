@@ -87,13 +87,19 @@ BAD = [
         "kv-two-heads",
         dict(kv_latent=torch.randn(9, 2, 576).bfloat16()),
         ValueError,
-        "kv_latent must be [keys, 1, 576]",
+        "kv_latent must be [keys >= 1, 1, 576]",
     ),
     (
         "kv-dim",
         dict(kv_latent=torch.randn(9, 1, 512).bfloat16()),
         ValueError,
-        "kv_latent must be [keys, 1, 576]",
+        "kv_latent must be [keys >= 1, 1, 576]",
+    ),
+    (
+        "kv-no-keys",
+        dict(kv_latent=torch.randn(0, 1, 576).bfloat16()),
+        ValueError,
+        "kv_latent must be [keys >= 1, 1, 576]",
     ),
     (
         "ids-tokens",

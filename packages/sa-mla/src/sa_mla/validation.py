@@ -84,9 +84,14 @@ def check_sparse_mla_arguments(
         raise ValueError(f"{fn}: q's head_dim must be 512 or 576; got {head_dim}")
     if heads < 1:
         raise ValueError(f"{fn}: q must have at least one head; got shape {tuple(q.shape)}")
-    if kv_latent.dim() != 3 or kv_latent.shape[1] != 1 or kv_latent.shape[2] != head_dim:
+    if (
+        kv_latent.dim() != 3
+        or kv_latent.shape[0] < 1
+        or kv_latent.shape[1] != 1
+        or kv_latent.shape[2] != head_dim
+    ):
         raise ValueError(
-            f"{fn}: kv_latent must be [keys, 1, {head_dim}] (one latent head, q's head_dim); "
+            f"{fn}: kv_latent must be [keys >= 1, 1, {head_dim}] (one latent head, q's head_dim); "
             f"got shape {tuple(kv_latent.shape)}"
         )
     if topk_indices.dim() != 3 or topk_indices.shape[0] != tokens or topk_indices.shape[1] != 1:
