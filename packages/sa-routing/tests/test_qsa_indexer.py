@@ -14,6 +14,7 @@ from sa_routing import (
     Qwen3_8_FlashNextQSAIndexer,
     apply_qsa_rope,
 )
+from sa_routing.qsa import QSARMSNorm
 from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_packed_reference,
     select_qsa_token_ids_reference,
@@ -174,6 +175,26 @@ def test_packed_forward_rejects_mask_and_non_increasing_bounds():
         indexer(hidden, freqs, attention_mask=torch.ones(1, 30), cu_seqlens=(0, 30))
     with pytest.raises(ValueError, match="strictly increasing"):
         indexer(hidden, freqs, cu_seqlens=(0, 20, 20, 30))
+
+
+def test_indexer_inputs_it_would_get_wrong_or_fail_on_obscurely_are_rejected():
+    indexer = small_indexer(torch.float32)
+    hidden, freqs = torch.randn(2, 12, 40), rotary_table(torch.arange(12)[None], 8)
+    with pytest.raises(TypeError, match=r"indexer's dtype \(torch.float32\)"):
+        indexer(hidden.bfloat16(), freqs)
+    with pytest.raises(ValueError, match="at least one token per row"):
+        indexer(hidden[:, :0], freqs[:, :0])
+    with pytest.raises(ValueError, match="needs batch 1"):
+        indexer.compressed_keys(hidden, freqs, cu_seqlens=(0, 6, 12))
+    norm = QSARMSNorm(4, 1e-6)
+    with pytest.raises(TypeError, match="x must be a floating tensor"):
+        norm(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 4\]"):
+        norm(torch.ones(2, 5))
+    with pytest.raises(ValueError, match="eps must be a finite float"):
+        QSARMSNorm(4, -1.0)
+    with pytest.raises(ValueError, match="rms_norm_eps must be a finite float"):
+        QSAIndexerConfig(hidden_size=40, rms_norm_eps=float("inf"))
 
 
 def test_context_parallel_context_validates_the_shard():

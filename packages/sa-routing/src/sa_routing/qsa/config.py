@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -49,9 +50,10 @@ class QSAIndexerConfig:
                 f"QSAIndexerConfig: indexer_budget ({self.indexer_budget}) must be divisible by "
                 f"indexer_compress_ratio ({ratio})"
             )
-        if not self.rms_norm_eps > 0:
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
             raise ValueError(
-                f"QSAIndexerConfig: rms_norm_eps must be > 0; got {self.rms_norm_eps!r}"
+                f"QSAIndexerConfig: rms_norm_eps must be a finite float > 0; got {eps!r}"
             )
         chunk = self.query_chunk_size
         if chunk is not None and (

@@ -10,6 +10,7 @@ Queries are projected chunk by chunk inside the selection, so no `[S, H_idx, D_i
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -29,10 +30,18 @@ class QSARMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
+            raise ValueError(f"QSARMSNorm: eps must be a finite float >= 0; got {eps!r}")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            raise TypeError(f"QSARMSNorm: x must be a floating tensor; got {x.dtype}")
+        if x.shape[-1:] != self.weight.shape:
+            raise ValueError(
+                f"QSARMSNorm: x must be [..., {self.weight.shape[0]}]; got {tuple(x.shape)}"
+            )
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -125,6 +134,11 @@ class QSAIndexer(nn.Module):
         hidden_states, freqs_cis = self._check_inputs(hidden_states, freqs_cis)
         if cu_seqlens is None:
             return self._compress(self._key_rows(hidden_states), freqs_cis)
+        if hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"QSAIndexer.compressed_keys: cu_seqlens (packed documents) needs batch 1; got "
+                f"batch {hidden_states.shape[0]}"
+            )
         bounds = validate_cu_seqlens(
             "QSAIndexer.compressed_keys", cu_seqlens, hidden_states.shape[1]
         )
@@ -142,7 +156,18 @@ class QSAIndexer(nn.Module):
             raise TypeError(
                 f"{_OP}: hidden_states must be floating point; got {hidden_states.dtype}"
             )
+        if hidden_states.dtype != self.qk_proj.weight.dtype and not torch.is_autocast_enabled(
+            hidden_states.device.type
+        ):
+            raise TypeError(
+                f"{_OP}: hidden_states must have the indexer's dtype ({self.qk_proj.weight.dtype}); "
+                f"got {hidden_states.dtype}"
+            )
         batch, rows = hidden_states.shape[:2]
+        if batch == 0 or rows == 0:
+            raise ValueError(
+                f"{_OP}: hidden_states must hold at least one token per row; got {tuple(hidden_states.shape)}"
+            )
         if (
             freqs_cis.dim() != 3
             or freqs_cis.shape[0] not in (1, batch)
