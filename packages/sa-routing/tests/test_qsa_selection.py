@@ -162,6 +162,12 @@ def test_packed_routes_are_per_document_routes_shifted_by_the_start():
         ({"global_sequence_length": 10}, ValueError, "global_sequence_length"),
         ({"cu_seqlens": torch.tensor([0, 5, 9])}, ValueError, "needs batch 1"),
         ({"query_chunk_size": 0}, ValueError, "query_chunk_size"),
+        ({"queries": torch.randn(2, 20, 0, 4)}, ValueError, "at least one head and one dim"),
+        (
+            {"queries": torch.randn(2, 20, 2, 0), "keys": torch.randn(2, 10, 1, 0)},
+            ValueError,
+            "at least one head and one dim",
+        ),
     ],
     ids=[
         "budget-not-multiple",
@@ -178,6 +184,8 @@ def test_packed_routes_are_per_document_routes_shifted_by_the_start():
         "global-too-short",
         "packed-batch-2",
         "zero-chunk",
+        "no-heads",
+        "no-dims",
     ],
 )
 def test_invalid_arguments_raise_with_the_reason(kwargs, error, message):

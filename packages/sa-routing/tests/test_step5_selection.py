@@ -247,7 +247,11 @@ def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:
     with pytest.raises(ValueError, match="query must be"):
         select_regions(query[:, :13], weights[:, :13], summary, m)
     with pytest.raises(ValueError, match="weights must be"):
-        select_regions(query, weights[..., :0], summary, m)
+        select_regions(query, weights[:, :, :1], summary, m)
+    with pytest.raises(ValueError, match="at least one group, head and dim"):
+        select_regions(query[..., :0, :], weights[..., :0], summary, m)
+    with pytest.raises(ValueError, match="at least one group, head and dim"):
+        select_regions(query[..., :0], weights, summary[..., :0], m)
     with pytest.raises(ValueError, match="summary must be"):
         select_regions(query, weights, summary[:, :6], m)
     with pytest.raises(ValueError, match="method must be one of"):

@@ -292,6 +292,10 @@ def _check(
         raise ValueError(
             f"{fn}: query must be [batch={batch}, queries={queries}, groups, heads, dim]; got {tuple(query.shape)}"
         )
+    if query.shape[2] < 1 or query.shape[3] < 1 or query.shape[4] < 1:
+        raise ValueError(
+            f"{fn}: query needs at least one group, head and dim; got {tuple(query.shape)}"
+        )
     if weights.shape != query.shape[:4]:
         raise ValueError(
             f"{fn}: weights must be {tuple(query.shape[:4])}; got {tuple(weights.shape)}"

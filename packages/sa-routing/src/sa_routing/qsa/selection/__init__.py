@@ -119,7 +119,12 @@ def select_qsa_token_ids(
         raise ValueError(
             f"{_OP}: index_queries must be [batch, queries, heads, dim]; got shape {tuple(index_queries.shape)}"
         )
-    batch, rows, _, dim = index_queries.shape
+    batch, rows, heads, dim = index_queries.shape
+    if heads < 1 or dim < 1:  # no head or no channel: every score 0 or NaN, routes meaningless
+        raise ValueError(
+            f"{_OP}: index_queries needs at least one head and one dim; got shape "
+            f"{tuple(index_queries.shape)}"
+        )
     if (
         compressed_keys.dim() != 4
         or compressed_keys.shape[0] != batch
