@@ -104,6 +104,31 @@ def test_gather_with_mismatched_shapes_across_ranks_raises():
     assert all(m is not None and "[(1, 3, 2), (1, 4, 2)]" in m for m in messages)
 
 
+def _mismatched_dtypes(rank, world_size):
+    x = torch.ones(1, 3, 2, dtype=torch.float32 if rank == 0 else torch.int32)  # same byte size
+    try:
+        gather_no_grad(x, group=dist.group.WORLD, validate_shapes=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_gather_with_mismatched_dtypes_across_ranks_raises():
+    messages = run_on_ranks(2, _mismatched_dtypes)
+    assert all(m is not None and "['torch.float32', 'torch.int32']" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad_value"), [(torch.int64, 0.5), (torch.bool, 2), (torch.int32, float("nan"))]
+)
+def test_shard_sequence_rejects_a_pad_value_the_dtype_cannot_hold(dtype, pad_value):
+    layout = ContextParallelLayout.create(6, rank=1, size=2, multiple_of=4, pad=True)
+    with pytest.raises(ValueError, match="is not a torch"):
+        shard_sequence(torch.zeros(1, 6, dtype=dtype), layout, pad_value=pad_value)
+    padded = shard_sequence(torch.zeros(1, 6, dtype=dtype), layout, pad_value=1)
+    assert padded.shape == (1, 4) and padded[0, -1] == 1
+
+
 def test_a_failing_rank_is_reported_with_its_traceback():
     def fail_on_rank_one(rank, world_size):
         if rank == 1:

@@ -14,21 +14,35 @@ from .groups import group_rank_and_size as _world
 _MAX_DIMS = 8
 
 
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)  # fmt: skip
+
+
 def _check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> None:
-    """Raise the same ValueError on every rank when shards differ in shape (one small collective + sync)."""
+    """Raise the same ValueError on every rank when shards differ in shape or dtype (one small
+    collective + sync): a dtype of the same byte size would otherwise be gathered as raw bits."""
     _, size = _world(group)
     if x.dim() > _MAX_DIMS:
         raise ValueError(
             f"{op}: at most {_MAX_DIMS} dims are supported; got shape {tuple(x.shape)}"
         )
-    fingerprint = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=x.device)
+    fingerprint = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64, device=x.device)
     fingerprint[: x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    fingerprint[-2] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
     fingerprint[-1] = x.dim()
     everyone = [torch.empty_like(fingerprint) for _ in range(size)]
     dist.all_gather(everyone, fingerprint, group=group)
     shapes = [tuple(f[: int(f[-1])].tolist()) for f in everyone]
-    if len(set(shapes)) > 1:
-        raise ValueError(f"{op}: every rank must pass the same shape; got {shapes} (rank order)")
+    dtypes = [
+        str(_DTYPES[int(f[-2])]) if int(f[-2]) < len(_DTYPES) else "another dtype" for f in everyone
+    ]
+    if len(set(shapes)) > 1 or len(set(dtypes)) > 1:
+        raise ValueError(
+            f"{op}: every rank must pass the same shape and dtype; got {shapes}, {dtypes} "
+            "(rank order)"
+        )
 
 
 def _all_gather(
@@ -108,8 +122,9 @@ def gather_sequence(
 
     Args:
         x: [..., local_length, ...] along `dim`; the same shape on every rank.
-        validate_shapes: first compare every rank's shape and raise ValueError on a mismatch (costs one
-            small collective and a host sync; a mismatch without it can abort the gloo process).
+        validate_shapes: first compare every rank's shape and dtype and raise ValueError on a
+            mismatch (costs one small collective and a host sync; a mismatch without it can abort the
+            gloo process, or gather another dtype's bits).
     Returns:
         [..., size * local_length, ...], rank order. Backward reduce-scatters: each rank's shard receives
         the sum of every rank's gradient for it.

@@ -154,6 +154,25 @@ def shard_sequence(
     Returns:
         [..., local_length, ...]: a view when no padding is needed.
     """
+    if not isinstance(layout, ContextParallelLayout):
+        raise TypeError(
+            f"shard_sequence: layout must be a ContextParallelLayout; got {type(layout).__name__}"
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise TypeError("shard_sequence: x must be a tensor with at least one dim")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"shard_sequence: dim must be an int in [{-x.dim()}, {x.dim()}); got {dim!r}"
+        )
+    if not x.is_floating_point() and not x.is_complex():
+        exact = isinstance(pad_value, (bool, int)) or (
+            isinstance(pad_value, float) and pad_value.is_integer()
+        )
+        if not exact or (x.dtype == torch.bool and pad_value not in (0, 1)):
+            raise ValueError(
+                f"shard_sequence: pad_value {pad_value!r} is not a {x.dtype} value (it would be "
+                "rounded into one)"
+            )
     length = x.size(dim)
     if length not in (layout.global_length, layout.padded_length):
         raise ValueError(
