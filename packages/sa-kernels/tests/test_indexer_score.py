@@ -205,6 +205,8 @@ def test_errors_name_the_argument_and_the_values():
         match=r"weights must be \[batch, queries, groups, heads_per_group\] = \(1, 8, 2, 4\); got \(1, 8, 2, 3\)",
     ):
         indexer_score_tile(query, weights[..., :3], summary, 0, 8)
+    with pytest.raises(ValueError, match=r"heads_per_group >= 1; got shape \(1, 8, 2, 0, 32\)"):
+        indexer_score_tile(query[..., :0, :], weights[..., :0], summary, 0, 8, backend="triton")
     with pytest.raises(
         ValueError,
         match=r"summary must be \[batch, regions, dim\] with batch 1 and dim 32; got \(1, 10, 16\)",

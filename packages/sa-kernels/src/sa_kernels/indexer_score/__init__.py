@@ -60,6 +60,10 @@ def indexer_score_tile(
             f"{fn}: query must be [batch, queries, groups, heads_per_group, dim]; got shape {tuple(query.shape)}"
         )
     batch, queries, groups, heads, dim = query.shape
+    if heads < 1:
+        raise ValueError(
+            f"{fn}: query must have heads_per_group >= 1; got shape {tuple(query.shape)}"
+        )
     if weights.shape != (batch, queries, groups, heads):
         raise ValueError(
             f"{fn}: weights must be [batch, queries, groups, heads_per_group] = {(batch, queries, groups, heads)}; "
