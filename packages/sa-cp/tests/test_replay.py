@@ -193,6 +193,19 @@ def test_bad_mode_raises_value_error(mode):
 def test_checkpoint_context_fn_rejects_non_channels():
     with pytest.raises(TypeError, match="RecomputeReplay"):
         checkpoint_context_fn(None, "routes")
+    with pytest.raises(TypeError, match="channels come after it"):
+        checkpoint_context_fn(ROUTES)  # the channel passed where the context factory goes
+    with pytest.raises(TypeError, match="context_fn must be None or a factory"):
+        checkpoint_context_fn("policy", ROUTES)
+
+
+@pytest.mark.parametrize("recorder", [None, "recorder"])
+def test_scope_rejects_a_recorder_of_another_type(recorder):
+    with (
+        pytest.raises(TypeError, match="recorder must be a RecomputeReplayRecorder"),
+        ROUTES.scope(recorder, "record"),
+    ):
+        pass
 
 
 def test_channel_method_composes_with_an_existing_context_factory(tokens):

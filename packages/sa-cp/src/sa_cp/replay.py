@@ -97,6 +97,11 @@ class RecomputeReplay(Generic[T]):
         self, recorder: RecomputeReplayRecorder[T], mode: ReplayMode
     ) -> Iterator[ReplayBinding[T]]:
         """Bind `recorder` in `mode` ("record" or "replay") on this thread for the body."""
+        if not isinstance(recorder, RecomputeReplayRecorder):
+            raise TypeError(
+                f"RecomputeReplay.scope: recorder must be a RecomputeReplayRecorder; got "
+                f"{type(recorder).__name__}"
+            )
         _check_mode(mode)
         binding = ReplayBinding(recorder, mode)
         stack = self._stack()
@@ -148,6 +153,13 @@ def checkpoint_context_fn(
         A factory for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)`.
         Each call (one per checkpointed call) binds fresh recorders.
     """
+    if context_fn is not None and (
+        isinstance(context_fn, RecomputeReplay) or not callable(context_fn)
+    ):
+        raise TypeError(
+            "checkpoint_context_fn: context_fn must be None or a factory returning (forward, "
+            f"recompute) contexts (channels come after it); got {type(context_fn).__name__}"
+        )
     for channel in channels:
         if not isinstance(channel, RecomputeReplay):
             raise TypeError(
