@@ -82,6 +82,14 @@ def test_clamped_swiglu_mlp_gradients_match_the_formula_with_active_clamps():
         torch.testing.assert_close(grad, p.grad)
 
 
+def test_mlp_inputs_of_another_width_or_dtype_raise_named_errors():
+    mlp = ClampedSwiGLUMLP(8, 12, 1.0)
+    with pytest.raises(ValueError, match=r"hidden_size=8\]; got \(2, 9\)"):
+        mlp(torch.randn(2, 9))
+    with pytest.raises(TypeError, match=r"MLP's dtype \(torch.float32\); got torch.bfloat16"):
+        mlp(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     ("factory", "message"),
     [

@@ -394,6 +394,8 @@ def test_indexer_rejects_missing_keys_and_foreign_metadata() -> None:
         indexer.project_keys(hidden[..., :5], pos[None])
     with pytest.raises(ValueError, match="keys must be"):
         indexer(hidden, pos[None], keys[:, :39], logits, pos[None], pad[None])
+    with pytest.raises(TypeError, match=r"indexer's dtype \(torch.bfloat16\); got torch.float32"):
+        indexer.project_keys(hidden.float(), pos[None])
 
 
 @pytest.mark.gpu

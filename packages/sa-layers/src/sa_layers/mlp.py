@@ -42,4 +42,14 @@ class ClampedSwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.gate_proj.in_features
+        if x.dim() < 1 or x.shape[-1] != hidden:
+            raise ValueError(
+                f"ClampedSwiGLUMLP: x must be [..., hidden_size={hidden}]; got {tuple(x.shape)}"
+            )
+        weight_dtype = self.gate_proj.weight.dtype
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"ClampedSwiGLUMLP: x must have the MLP's dtype ({weight_dtype}); got {x.dtype}"
+            )
         return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))

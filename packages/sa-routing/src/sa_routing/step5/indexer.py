@@ -208,6 +208,12 @@ class Step5SparseIndexer(nn.Module):
             raise ValueError(
                 f"{fn}: hidden must be [batch, tokens, hidden_size={self.config.hidden_size}]; got {tuple(hidden.shape)}"
             )
+        if hidden.dtype != self.q_proj.weight.dtype and not torch.is_autocast_enabled(
+            hidden.device.type
+        ):
+            raise TypeError(
+                f"{fn}: hidden must have the indexer's dtype ({self.q_proj.weight.dtype}); got {hidden.dtype}"
+            )
         if positions.dtype != torch.int64:
             raise TypeError(f"{fn}: positions must be int64; got {positions.dtype}")
         if positions.shape != hidden.shape[:2]:
