@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -119,14 +120,31 @@ def test_gather_with_mismatched_dtypes_across_ranks_raises():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "pad_value"), [(torch.int64, 0.5), (torch.bool, 2), (torch.int32, float("nan"))]
+    ("dtype", "pad_value"),
+    [(torch.int64, 0.5), (torch.bool, 2), (torch.int32, float("nan")), (torch.uint8, -1)],
 )
 def test_shard_sequence_rejects_a_pad_value_the_dtype_cannot_hold(dtype, pad_value):
     layout = ContextParallelLayout.create(6, rank=1, size=2, multiple_of=4, pad=True)
     with pytest.raises(ValueError, match="is not a torch"):
         shard_sequence(torch.zeros(1, 6, dtype=dtype), layout, pad_value=pad_value)
-    padded = shard_sequence(torch.zeros(1, 6, dtype=dtype), layout, pad_value=1)
+    padded = shard_sequence(torch.zeros(1, 6, dtype=dtype), layout, pad_value=np.int64(1))
     assert padded.shape == (1, 4) and padded[0, -1] == 1
+
+
+def _layouts_with_a_group(rank, world_size):
+    group = dist.group.WORLD
+    agreeing = ContextParallelLayout.create(16, group, size=world_size)  # a partial, agreeing hint
+    try:
+        ContextParallelLayout.create(16, group, rank=0 if rank else 1)
+    except ValueError as error:
+        return agreeing.rank, str(error)
+    return agreeing.rank, None
+
+
+def test_create_takes_rank_and_size_from_its_group():
+    results = run_on_ranks(2, _layouts_with_a_group)
+    assert [r for r, _ in results] == [0, 1]
+    assert all(m is not None and "come from it" in m for _, m in results)
 
 
 def test_a_failing_rank_is_reported_with_its_traceback():
@@ -211,7 +229,7 @@ def test_gather_halo_rejects_halo_larger_than_the_shard():
         gather_halo(torch.randn(1, 4, 2), True)
 
 
-@pytest.mark.parametrize("dim", [3, -4, 1.0])
+@pytest.mark.parametrize("dim", [3, -4])
 def test_collectives_reject_a_dim_outside_the_tensor_instead_of_wrapping_it(dim):
     x = torch.randn(1, 4, 2)
     for fn in (gather_sequence, gather_no_grad):
@@ -219,8 +237,11 @@ def test_collectives_reject_a_dim_outside_the_tensor_instead_of_wrapping_it(dim)
             fn(x, None, dim)
     with pytest.raises(ValueError, match=r"dim must be an int in \[-3, 3\)"):
         gather_halo(x, 1, None, dim)
-    with pytest.raises(TypeError, match="at least one dim"):
+    with pytest.raises(TypeError, match="at least one dim; got a 0-d tensor"):
         gather_no_grad(torch.tensor(1.0))
+    with pytest.raises(TypeError, match=r"dim must be an int; got 1\.0"):
+        gather_sequence(x, None, 1.0)
+    assert gather_sequence(x, None, np.int64(-2)) is x  # NumPy integers are ints
 
 
 @pytest.mark.parametrize(
@@ -229,6 +250,7 @@ def test_collectives_reject_a_dim_outside_the_tensor_instead_of_wrapping_it(dim)
     ids=["float-length", "bool-rank"],
 )
 def test_layouts_take_ints_only(kwargs):
+    assert ContextParallelLayout(np.int64(0), 2, 10, 5).rank == 0
     with pytest.raises(TypeError, match="must be an int"):
         ContextParallelLayout.create(**kwargs)
     with pytest.raises(TypeError, match="local_length must be an int"):

@@ -4,6 +4,7 @@ interpreter on CPU, real sizes on CUDA) and FlexAttention against the oracle, ro
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
@@ -770,12 +771,18 @@ def test_build_route_block_mask_errors():
         build_route_block_mask(ids[..., :0], 8, 2)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", True])
-def test_softmax_scale_must_be_a_finite_float(scale):
+@pytest.mark.parametrize(
+    ("scale", "error"),
+    [(float("nan"), ValueError), (float("inf"), ValueError), ("0.1", TypeError), (True, TypeError)],
+)
+def test_softmax_scale_must_be_a_finite_float(scale, error):
     q, k, v, gen = _inputs(1, 4, 2, 1, 8, 6, torch.float32)
     ids = _random_ids((1, 4, 3), 6, gen)
-    with pytest.raises(TypeError, match="softmax_scale must be None or a finite float"):
+    with pytest.raises(error, match="softmax_scale must be"):
         sparse_gqa_attention(q, k, v, ids, scale)
+    want = sparse_gqa_attention(q, k, v, ids, 0.25)
+    for same in (np.float32(0.25), torch.tensor(0.25)):  # other spellings of a float still work
+        torch.testing.assert_close(sparse_gqa_attention(q, k, v, ids, same), want)
 
 
 # ---------------------------------------------------------------- CUDA, real sizes

@@ -88,6 +88,10 @@ def test_mlp_inputs_of_another_width_or_dtype_raise_named_errors():
         mlp(torch.randn(2, 9))
     with pytest.raises(TypeError, match=r"MLP's dtype \(torch.float32\); got torch.bfloat16"):
         mlp(torch.randn(2, 8, dtype=torch.bfloat16))
+    with torch.autocast("cpu", torch.bfloat16):  # autocast casts the matmul inputs itself
+        assert mlp(torch.randn(2, 8, dtype=torch.bfloat16)).shape == (2, 8)
+    with pytest.raises(TypeError, match="limit must be a float"):
+        ClampedSwiGLUMLP(4, 4, "7")
 
 
 @pytest.mark.parametrize(
@@ -95,7 +99,7 @@ def test_mlp_inputs_of_another_width_or_dtype_raise_named_errors():
     [
         (lambda: Step5RMSNorm(0), "hidden_size must be >= 1"),
         (lambda: ClampedSwiGLUMLP(0, 4, 1.0), "hidden_size and intermediate_size"),
-        (lambda: ClampedSwiGLUMLP(4, 4, float("nan")), "limit must be a float, not NaN"),
+        (lambda: ClampedSwiGLUMLP(4, 4, float("nan")), "limit must not be NaN"),
     ],
     ids=["norm-empty", "mlp-empty", "mlp-nan-limit"],
 )

@@ -1,5 +1,6 @@
 """QSAIndexerConfig validation, apply_qsa_rope against a complex rotation, right-padded masks and packed bounds."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,11 +142,21 @@ def test_cu_seqlens_must_start_at_zero_and_increase():
 def test_cu_seqlens_of_non_integers_are_rejected_not_truncated(bounds):
     with pytest.raises(TypeError, match="cu_seqlens must be"):
         validate_cu_seqlens("op", bounds, 20)
+    as_scalars = [torch.tensor(0), np.int64(7), 20]  # integer scalars of other kinds are ints
+    assert validate_cu_seqlens("op", as_scalars, 20) == (0, 7, 20)
 
 
-@pytest.mark.parametrize(("batch", "length"), [(2, -5), (-1, 5), (2, 5.5), (True, 5)])
-def test_right_padded_lengths_reject_bad_sizes(batch, length):
-    with pytest.raises(ValueError, match="must be an int >= 0"):
+@pytest.mark.parametrize(
+    ("batch", "length", "error", "message"),
+    [
+        (2, -5, ValueError, "sequence_length must be >= 0"),
+        (-1, 5, ValueError, "batch_size must be >= 0"),
+        (2, 5.5, TypeError, "sequence_length must be an int"),
+        (True, 5, TypeError, "batch_size must be an int"),
+    ],
+)
+def test_right_padded_lengths_reject_bad_sizes(batch, length, error, message):
+    with pytest.raises(error, match=message):
         right_padded_sequence_lengths(None, batch, length, "cpu")
 
 

@@ -182,6 +182,8 @@ def test_indexer_inputs_it_would_get_wrong_or_fail_on_obscurely_are_rejected():
     hidden, freqs = torch.randn(2, 12, 40), rotary_table(torch.arange(12)[None], 8)
     with pytest.raises(TypeError, match=r"indexer's dtype \(torch.float32\)"):
         indexer(hidden.bfloat16(), freqs)
+    with torch.autocast("cpu", torch.bfloat16):  # autocast casts the projection's inputs itself
+        assert indexer(hidden.bfloat16(), freqs).shape == (2, 12, indexer.config.route_width)
     with pytest.raises(ValueError, match="at least one token per row"):
         indexer(hidden[:, :0], freqs[:, :0])
     with pytest.raises(ValueError, match="needs batch 1"):

@@ -396,6 +396,9 @@ def test_indexer_rejects_missing_keys_and_foreign_metadata() -> None:
         indexer(hidden, pos[None], keys[:, :39], logits, pos[None], pad[None])
     with pytest.raises(TypeError, match=r"indexer's dtype \(torch.bfloat16\); got torch.float32"):
         indexer.project_keys(hidden.float(), pos[None])
+    with torch.autocast("cpu", torch.bfloat16):  # autocast casts the projection's inputs itself
+        keys32, _ = indexer.project_keys(hidden.float(), pos[None])
+    assert keys32.shape == keys.shape
 
 
 @pytest.mark.gpu

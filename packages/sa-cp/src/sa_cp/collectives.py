@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 
 from .groups import group_rank_and_size as _world
+from .layout import sequence_dim
 
 _MAX_DIMS = 8
 
 
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-)  # fmt: skip
+# Every dtype this torch knows, in one order on every rank (same build): a dtype's code is its index.
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 
 
 def _check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, op: str) -> None:
@@ -30,7 +29,7 @@ def _check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, op: str)
         )
     fingerprint = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64, device=x.device)
     fingerprint[: x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    fingerprint[-2] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    fingerprint[-2] = _DTYPES.index(x.dtype)
     fingerprint[-1] = x.dim()
     everyone = [torch.empty_like(fingerprint) for _ in range(size)]
     dist.all_gather(everyone, fingerprint, group=group)
@@ -98,19 +97,6 @@ class _GatherSequence(torch.autograd.Function):
         return _sum_own_shard(grad, ctx.group, ctx.dim), None, None, None
 
 
-def _sequence_dim(fn: str, x: torch.Tensor, dim: int) -> int:
-    """`dim` as a non-negative index of x's dims; raises rather than wrapping an out-of-range one."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{fn}: x must be a tensor with at least one dim; got {got}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(
-            f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
-            f"{tuple(x.shape)}; got {dim!r}"
-        )
-    return dim % x.dim()
-
-
 def gather_sequence(
     x: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -129,7 +115,7 @@ def gather_sequence(
         [..., size * local_length, ...], rank order. Backward reduce-scatters: each rank's shard receives
         the sum of every rank's gradient for it.
     """
-    dim = _sequence_dim("gather_sequence", x, dim)
+    dim = sequence_dim("gather_sequence", x, dim)
     if _world(group)[1] == 1:
         return x
     return _GatherSequence.apply(x, group, dim, validate_shapes)
@@ -143,7 +129,7 @@ def gather_no_grad(
     validate_shapes: bool = False,
 ) -> torch.Tensor:
     """`gather_sequence` without autograd, for metadata and frozen indexer keys (returns a detached tensor)."""
-    dim = _sequence_dim("gather_no_grad", x, dim)
+    dim = sequence_dim("gather_no_grad", x, dim)
     with torch.no_grad():
         return _all_gather(x.detach(), group, dim, "gather_no_grad", validate_shapes)
 
@@ -213,7 +199,7 @@ def gather_halo(
     Returns:
         [..., halo + local_length, ...]. Backward sends the halo's gradient back to its owner.
     """
-    dim = _sequence_dim("gather_halo", x, dim)
+    dim = sequence_dim("gather_halo", x, dim)
     if isinstance(halo, bool) or not isinstance(halo, int) or not 0 <= halo <= x.size(dim):
         raise ValueError(
             f"gather_halo: halo must be an int in [0, x.size({dim})={x.size(dim)}]; got {halo!r}"

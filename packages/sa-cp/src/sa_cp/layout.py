@@ -94,10 +94,8 @@ class ContextParallelLayout:
         for name, value in (("global_length", global_length), ("multiple_of", multiple_of)):
             _check_int(f"ContextParallelLayout.create: {name}", value)
         group_rank, group_size = group_rank_and_size(group)
-        if (
-            group is not None
-            and (rank, size) != (None, None)
-            and (rank, size) != (group_rank, group_size)
+        if group is not None and (
+            (rank is not None and rank != group_rank) or (size is not None and size != group_size)
         ):
             raise ValueError(
                 "ContextParallelLayout.create: rank/size plan a layout without a process group; with "
@@ -137,6 +135,21 @@ class ContextParallelLayout:
         return self.local_start + self.local_length
 
 
+def sequence_dim(fn: str, x: torch.Tensor, dim: int) -> int:
+    """`dim` as a non-negative index of x's dims; raises rather than wrapping an out-of-range one."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        got = "a 0-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{fn}: x must be a tensor with at least one dim; got {got}")
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{fn}: dim must be an int; got {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{fn}: dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+            f"{tuple(x.shape)}; got {dim!r}"
+        )
+    return int(dim) % x.dim()
+
+
 def _check_int(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int; got {value!r}")
@@ -158,20 +171,16 @@ def shard_sequence(
         raise TypeError(
             f"shard_sequence: layout must be a ContextParallelLayout; got {type(layout).__name__}"
         )
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise TypeError("shard_sequence: x must be a tensor with at least one dim")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(
-            f"shard_sequence: dim must be an int in [{-x.dim()}, {x.dim()}); got {dim!r}"
-        )
+    dim = sequence_dim("shard_sequence", x, dim)
     if not x.is_floating_point() and not x.is_complex():
-        exact = isinstance(pad_value, (bool, int)) or (
-            isinstance(pad_value, float) and pad_value.is_integer()
-        )
-        if not exact or (x.dtype == torch.bool and pad_value not in (0, 1)):
+        try:  # the value the padding would hold, compared with the one asked for
+            stored = x.new_full((), pad_value).item()
+        except (RuntimeError, TypeError, ValueError, OverflowError):
+            stored = None
+        if stored is None or stored != pad_value:
             raise ValueError(
                 f"shard_sequence: pad_value {pad_value!r} is not a {x.dtype} value (it would be "
-                "rounded into one)"
+                f"stored as {stored!r})"
             )
     length = x.size(dim)
     if length not in (layout.global_length, layout.padded_length):

@@ -1,6 +1,7 @@
 """The dense feed-forward of Step-5 decoder layers: a clamped SwiGLU MLP (SEMANTICS §1.1)."""
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -31,9 +32,11 @@ class ClampedSwiGLUMLP(nn.Module):
             raise ValueError(
                 f"ClampedSwiGLUMLP: hidden_size and intermediate_size must be >= 1; got {hidden_size}, {intermediate_size}"
             )
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or math.isnan(limit):
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+            raise TypeError(f"ClampedSwiGLUMLP: limit must be a float; got {limit!r}")
+        if math.isnan(limit):
             raise ValueError(
-                f"ClampedSwiGLUMLP: limit must be a float, not NaN (<= 0 disables the clamp); got {limit!r}"
+                f"ClampedSwiGLUMLP: limit must not be NaN (<= 0 disables the clamp); got {limit!r}"
             )
         factory = {"dtype": dtype, "device": device}
         self.limit = float(limit)

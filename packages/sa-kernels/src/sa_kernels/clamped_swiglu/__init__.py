@@ -1,6 +1,7 @@
 """Clamped SwiGLU (SEMANTICS §1.1): `min(silu(gate), limit) * clamp(up, -limit, limit)`, FP32 math in registers."""
 
 import math
+import numbers
 
 import torch
 
@@ -74,8 +75,9 @@ def clamped_swiglu(
         )
     if gate.dim() == 0:
         raise ValueError(f"{fn}: gate must have at least one dim ([..., features]); got a scalar")
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
         raise TypeError(f"{fn}: limit must be a float; got {type(limit).__name__}")
+    limit = float(limit)
     if math.isnan(limit):  # every comparison with NaN is false: both clamps would vanish silently
         raise ValueError(f"{fn}: limit must not be NaN (use limit <= 0 to disable the clamps)")
     chosen = resolve_backend(fn, backend, gate, up)

@@ -19,6 +19,7 @@ which is what a block-aligned causal Flex mask compiles to.
 
 import functools
 import math
+import numbers
 
 import torch
 
@@ -267,6 +268,18 @@ def _check_block_mask(fn, block_mask, query, key, token_ids):
         )
 
 
+def _scale(fn: str, softmax_scale: object) -> float:
+    """A real number or a one-element tensor (read once) as a finite float."""
+    real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    one_element = isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
+    if not (real or one_element):
+        raise TypeError(f"{fn}: softmax_scale must be None or a float; got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: softmax_scale must be finite; got {scale}")
+    return scale
+
+
 def sparse_gqa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -307,8 +320,9 @@ def sparse_gqa_attention(
         gives 0 and zero gradients.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
-            block_mask that is not a RouteBlockMask, a softmax_scale that is not a finite float.
+            block_mask that is not a RouteBlockMask, a softmax_scale that is not a number.
         ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
+            softmax_scale that is not finite, a
             block_mask built for other routes, backend 'fa4' on routes it does not serve.
         RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
             TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given).
@@ -317,15 +331,7 @@ def sparse_gqa_attention(
     _validate(fn, query, key, value, token_ids, backend)
     if block_mask is not None:
         _check_block_mask(fn, block_mask, query, key, token_ids)
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, (int, float))
-        or not math.isfinite(softmax_scale)
-    ):
-        raise TypeError(
-            f"{fn}: softmax_scale must be None or a finite float; got {softmax_scale!r}"
-        )
-    scale = query.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = query.shape[-1] ** -0.5 if softmax_scale is None else _scale(fn, softmax_scale)
     on_cuda = query.device.type == "cuda"
     if backend == "fa4":
         if query.dtype not in (torch.bfloat16, torch.float16):

@@ -13,6 +13,7 @@ Memory is O(partial tiles), never a dense [queries, kv_length] bool mask. The ti
 routes: build with `build_flex=False` when Flex will not run.
 """
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -224,8 +225,9 @@ def build_route_block_mask(
             f"{tuple(token_ids.shape)}"
         )
     for name, value in (("kv_length", kv_length), ("query_heads", query_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+    kv_length, query_heads = int(kv_length), int(query_heads)
     if not 1 <= kv_length < 2**31 - 1:  # ids and the sentinel kv_length are int32
         raise ValueError(f"{fn}: kv_length must be in [1, 2**31 - 1); got {kv_length}")
     if build_flex not in (None, True, False):

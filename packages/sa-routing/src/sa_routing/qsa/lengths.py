@@ -66,10 +66,10 @@ def right_padded_sequence_lengths(
         TypeError: the mask is not a tensor or is complex.
     """
     for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length)):
-        if not _is_int(value) or value < 0:
-            raise ValueError(
-                f"right_padded_sequence_lengths: {name} must be an int >= 0; got {value!r}"
-            )
+        if not _is_int(value):
+            raise TypeError(f"right_padded_sequence_lengths: {name} must be an int; got {value!r}")
+        if value < 0:
+            raise ValueError(f"right_padded_sequence_lengths: {name} must be >= 0; got {value!r}")
     if mask is None:
         return torch.full((batch_size,), sequence_length, dtype=torch.int64, device=device)
     lengths = _right_padded_lengths_host(
@@ -138,5 +138,12 @@ def packed_block_starts(cu_seqlens: tuple[int, ...], compress_ratio: int) -> tup
 
 
 def _is_int(value: object) -> bool:
-    """A Python or NumPy integer, not a bool (True would read as 1)."""
+    """A Python or NumPy integer or a 0-d integer tensor, not a bool (True would read as 1)."""
+    if isinstance(value, torch.Tensor):
+        return (
+            value.dim() == 0
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype != torch.bool
+        )
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

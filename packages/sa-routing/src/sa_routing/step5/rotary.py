@@ -1,6 +1,7 @@
 """`Step5IndexerRotaryEmbedding`: NeoX half-split RoPE over the leading `rope_dim` dims, FP32 math."""
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -24,11 +25,9 @@ class Step5IndexerRotaryEmbedding(nn.Module):
             raise ValueError(
                 f"Step5IndexerRotaryEmbedding: rope_dim must be an even int >= 0; got {rope_dim!r}"
             )
-        if (
-            isinstance(theta, bool)
-            or not isinstance(theta, int | float)
-            or not 0 < theta < math.inf
-        ):
+        if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+            raise TypeError(f"Step5IndexerRotaryEmbedding: theta must be a float; got {theta!r}")
+        if not 0 < theta < math.inf:
             raise ValueError(
                 f"Step5IndexerRotaryEmbedding: theta must be a finite float > 0; got {theta!r}"
             )
