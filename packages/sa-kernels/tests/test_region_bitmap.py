@@ -123,6 +123,17 @@ def test_errors_name_the_argument_and_the_values():
         pack_region_bitmap(ids, 10, out=torch.empty(1, 1, 2, 2, dtype=torch.int32))
     with pytest.raises(TypeError, match=r"regions must be an int"):
         pack_region_bitmap(ids, 10.0)
+    strided = torch.empty(1, 1, 2, 2, dtype=torch.int32)[..., :1]
+    with pytest.raises(ValueError, match=r"strides \(4, 4, 2, 1\), not contiguous"):
+        pack_region_bitmap(ids, 10, out=strided)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rows_without_slots_select_nothing(backend):
+    ids = torch.empty(1, 2, 3, 0, dtype=torch.int32)
+    out = torch.full((1, 2, 3, 2), -1, dtype=torch.int32)
+    assert pack_region_bitmap(ids, 40, out=out, backend=backend).eq(0).all()
+    assert pack_region_bitmap(ids[:, :, :0], 40, backend=backend).shape == (1, 2, 0, 2)
 
 
 @pytest.mark.gpu

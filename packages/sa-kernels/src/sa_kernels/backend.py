@@ -76,6 +76,7 @@ def check_out(
         return
     got = (
         (tuple(out.shape), out.dtype, out.device)
+        + (() if out.is_contiguous() else (f"strides {out.stride()}, not contiguous",))
         if isinstance(out, torch.Tensor)
         else type(out).__name__
     )

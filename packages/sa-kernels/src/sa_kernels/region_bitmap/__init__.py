@@ -43,7 +43,13 @@ def pack_region_bitmap(
         raise ValueError(f"{fn}: regions must be in [1, 2**31 - 32); got {regions}")
     shape = (*ids.shape[:-1], (regions + 31) // 32)
     check_out(fn, out, shape, torch.int32, ids.device, dtype_name="int32")
-    if resolve_backend(fn, backend, ids) == "reference":
+    chosen = resolve_backend(fn, backend, ids)
+    if (
+        ids.shape[-1] == 0 or ids.numel() == 0
+    ):  # no slots select nothing; an empty grid cannot launch
+        result = torch.zeros(shape, dtype=torch.int32, device=ids.device)
+        return result if out is None else out.copy_(result)
+    if chosen == "reference":
         result = reference.pack_region_bitmap(ids, regions)
         return result if out is None else out.copy_(result)
     if ids.shape[-1] > MAX_TRITON_SLOTS:
