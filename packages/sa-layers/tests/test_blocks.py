@@ -106,3 +106,16 @@ def test_mlp_inputs_of_another_width_or_dtype_raise_named_errors():
 def test_bad_sizes_raise(factory, message):
     with pytest.raises(ValueError, match=message):
         factory()
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: Step5RMSNorm(8.0), "hidden_size must be an int; got 8.0"),
+        (lambda: ClampedSwiGLUMLP("8", 4, 1.0), "hidden_size must be an int; got '8'"),
+    ],
+    ids=["norm-float", "mlp-str"],
+)
+def test_sizes_of_another_type_raise(factory, message):
+    with pytest.raises(TypeError, match=message):
+        factory()

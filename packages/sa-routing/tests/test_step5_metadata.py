@@ -188,6 +188,11 @@ def test_metadata_matches_the_token_walk_of_the_reference() -> None:
         ({"topk": 0}, ValueError, "topk"),
         ({"window": 0}, ValueError, "window"),
         ({"tile_size": 129}, ValueError, "tile_size"),
+        (
+            {"key_positions": torch.zeros(0, 8, dtype=torch.int64)},
+            ValueError,
+            "at least one batch row and one token",
+        ),
     ],
     ids=[
         "positions-int32",
@@ -203,6 +208,7 @@ def test_metadata_matches_the_token_walk_of_the_reference() -> None:
         "topk-0",
         "window-0",
         "tile-129",
+        "batch-0",
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(kwargs: dict, error: type, match: str) -> None:

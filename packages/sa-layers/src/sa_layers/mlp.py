@@ -28,6 +28,9 @@ class ClampedSwiGLUMLP(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"ClampedSwiGLUMLP: {name} must be an int; got {size!r}")
         if hidden_size < 1 or intermediate_size < 1:
             raise ValueError(
                 f"ClampedSwiGLUMLP: hidden_size and intermediate_size must be >= 1; got {hidden_size}, {intermediate_size}"

@@ -22,6 +22,8 @@ class Step5RMSNorm(nn.Module):
         self, hidden_size: int, eps: float = 1e-5, output_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
+            raise TypeError(f"Step5RMSNorm: hidden_size must be an int; got {hidden_size!r}")
         if hidden_size < 1:
             raise ValueError(f"Step5RMSNorm: hidden_size must be >= 1; got {hidden_size}")
         self.eps = eps

@@ -66,6 +66,11 @@ def region_metadata(
             f"{fn}: key_positions must be [batch, global_length]; got shape {tuple(key_positions.shape)}"
         )
     batch, length = key_positions.shape
+    if batch == 0 or length == 0:
+        raise ValueError(
+            f"{fn}: key_positions must hold at least one batch row and one token; got shape "
+            f"{tuple(key_positions.shape)}"
+        )
     if key_padding is not None:
         if not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool:
             got = (
