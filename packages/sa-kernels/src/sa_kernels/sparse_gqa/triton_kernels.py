@@ -134,88 +134,79 @@ def _gather_bwd_kernel(
     else:
         lo = tl.zeros([], dtype=tl.int32)
         hi = tl.load(counts_ptr + b64 * stride_cb + rh64 * stride_ch + q_idx)
-    if hi > lo:  # dq starts zeroed: an empty row's gradients are its zeros
-        _gather_bwd_program(
-            q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, dq_ptr, dk_ptr, dv_ptr,
-            stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
-            stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
-            stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-            b64, h, rh64, q64, lo, hi, kv_length, scale, scale_log2,
-            GROUP, HEAD_DIM, SPLIT, BLOCK_G, BLOCK_D, BLOCK_W, IEEE, UPCAST,
-        )  # fmt: skip
-
-
-@triton.jit
-def _gather_bwd_program(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, dq_ptr, dk_ptr, dv_ptr,
-    stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_ob, stride_oq, stride_oh,
-    stride_dob, stride_doq, stride_doh, stride_lb, stride_lh, stride_rb, stride_rh, stride_rq,
-    stride_dqb, stride_dqq, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-    b64, h, rh64, q64, lo, hi, kv_length, scale, scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """One (query, group) over route slots [lo, hi): dK/dV added atomically, dQ stored (one pass) or
-    added atomically into FP32 (key-range passes)."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_w = tl.arange(0, BLOCK_W)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    gd_mask = g_mask[:, None] & d_mask[None, :]
-    heads = h * GROUP + offs_g
-    q = tl.load(
-        q_ptr + b64 * stride_qb + q64 * stride_qq + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gd_mask,
-        other=0.0,
-    )
-    do = tl.load(
-        do_ptr
-        + b64 * stride_dob
-        + q64 * stride_doq
-        + heads[:, None] * stride_doh
-        + offs_d[None, :],
-        mask=gd_mask,
-        other=0.0,
-    )
-    o = tl.load(
-        o_ptr + b64 * stride_ob + q64 * stride_oq + heads[:, None] * stride_oh + offs_d[None, :],
-        mask=gd_mask,
-        other=0.0,
-    )
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
-    route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
-    k_base = k_ptr + b64 * stride_kb + h * stride_kh
-    v_base = v_ptr + b64 * stride_vb + h * stride_vh
-    dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
-    dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
-    dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_W):
-        ids = tl.load(route_base + start + offs_w, mask=start + offs_w < hi, other=kv_length)
-        w_mask = ids < kv_length
-        ids = tl.where(w_mask, ids, 0).to(tl.int64)
-        kv_mask = w_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
-        dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
-        p = tl.exp2(s * scale_log2 - lse[:, None])
-        p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
-        dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
-        dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-        row = ids[:, None] * stride_dks + offs_d[None, :]
-        tl.atomic_add(dk_base + row, dk * scale, mask=kv_mask, sem="relaxed")
-        tl.atomic_add(dv_base + row, dv, mask=kv_mask, sem="relaxed")
-    dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
-    if SPLIT:
-        tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
-    else:
-        tl.store(dq_rows + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=gd_mask)
+    # dq starts zeroed: a program with no slots in its range leaves its rows as they are
+    if hi > lo:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_w = tl.arange(0, BLOCK_W)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        gd_mask = g_mask[:, None] & d_mask[None, :]
+        heads = h * GROUP + offs_g
+        q = tl.load(
+            q_ptr
+            + b64 * stride_qb
+            + q64 * stride_qq
+            + heads[:, None] * stride_qh
+            + offs_d[None, :],
+            mask=gd_mask,
+            other=0.0,
+        )
+        do = tl.load(
+            do_ptr
+            + b64 * stride_dob
+            + q64 * stride_doq
+            + heads[:, None] * stride_doh
+            + offs_d[None, :],
+            mask=gd_mask,
+            other=0.0,
+        )
+        o = tl.load(
+            o_ptr
+            + b64 * stride_ob
+            + q64 * stride_oq
+            + heads[:, None] * stride_oh
+            + offs_d[None, :],
+            mask=gd_mask,
+            other=0.0,
+        )
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
+        route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
+        k_base = k_ptr + b64 * stride_kb + h * stride_kh
+        v_base = v_ptr + b64 * stride_vb + h * stride_vh
+        dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
+        dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
+        dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_W):
+            ids = tl.load(route_base + start + offs_w, mask=start + offs_w < hi, other=kv_length)
+            w_mask = ids < kv_length
+            ids = tl.where(w_mask, ids, 0).to(tl.int64)
+            kv_mask = w_mask[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+            dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
+            p = tl.exp2(s * scale_log2 - lse[:, None])
+            p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
+            dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+            dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+            row = ids[:, None] * stride_dks + offs_d[None, :]
+            tl.atomic_add(dk_base + row, dk * scale, mask=kv_mask, sem="relaxed")
+            tl.atomic_add(dv_base + row, dv, mask=kv_mask, sem="relaxed")
+        dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
+        if SPLIT:
+            tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
+        else:
+            tl.store(
+                dq_rows + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=gd_mask
+            )
 
 
 def _blocks(group: int, head_dim: int) -> tuple[int, int]:
