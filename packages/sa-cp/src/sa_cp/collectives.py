@@ -34,9 +34,7 @@ def _check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, op: str)
     everyone = [torch.empty_like(fingerprint) for _ in range(size)]
     dist.all_gather(everyone, fingerprint, group=group)
     shapes = [tuple(f[: int(f[-1])].tolist()) for f in everyone]
-    dtypes = [
-        str(_DTYPES[int(f[-2])]) if int(f[-2]) < len(_DTYPES) else "another dtype" for f in everyone
-    ]
+    dtypes = [str(_DTYPES[int(f[-2])]) for f in everyone]
     if len(set(shapes)) > 1 or len(set(dtypes)) > 1:
         raise ValueError(
             f"{op}: every rank must pass the same shape and dtype; got {shapes}, {dtypes} "

@@ -7,6 +7,7 @@ CUDA tensors run Triton, CPU tensors run the reference.
 """
 
 import importlib.util
+import math
 import os
 from typing import Literal
 
@@ -51,6 +52,12 @@ def resolve_backend(
             "(Triton's interpreter); use CUDA tensors or backend='reference'"
         )
     return "triton"
+
+
+def check_eps(op: str, eps: object) -> None:
+    """Raise ValueError naming `op` unless `eps` is a finite, non-negative real number."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{op}: eps must be a finite, non-negative float; got {eps!r}")
 
 
 def check_out(

@@ -1,10 +1,8 @@
 """The indexer's key LayerNorm: FP32 statistics with variance `E[x²] − E[x]²`, weight/bias in x's dtype."""
 
-import math
-
 import torch
 
-from sa_kernels.backend import resolve_backend
+from sa_kernels.backend import check_eps, resolve_backend
 from sa_kernels.layer_norm import reference
 
 __all__ = ["layer_norm_e2"]
@@ -49,8 +47,7 @@ def layer_norm_e2(
             )
     if x.shape[-1] == 0:
         raise ValueError(f"{fn}: x must have at least one channel; got shape {tuple(x.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"{fn}: eps must be a finite, non-negative float; got {eps!r}")
+    check_eps(fn, eps)
     weight, bias = weight.contiguous(), bias.contiguous()  # the kernel reads them at unit stride
     chosen = resolve_backend(fn, backend, x, weight, bias)
     with torch.no_grad():

@@ -44,9 +44,7 @@ def pack_region_bitmap(
     shape = (*ids.shape[:-1], (regions + 31) // 32)
     check_out(fn, out, shape, torch.int32, ids.device, dtype_name="int32")
     chosen = resolve_backend(fn, backend, ids)
-    if (
-        ids.shape[-1] == 0 or ids.numel() == 0
-    ):  # no slots select nothing; an empty grid cannot launch
+    if ids.numel() == 0:  # no rows, or rows without slots (they select nothing): no launch
         result = torch.zeros(shape, dtype=torch.int32, device=ids.device)
         return result if out is None else out.copy_(result)
     if chosen == "reference":

@@ -4,11 +4,9 @@
 dtype; backward gives dx in x's dtype and dweight in the weight's dtype (FP32 accumulation).
 """
 
-import math
-
 import torch
 
-from sa_kernels.backend import resolve_backend
+from sa_kernels.backend import check_eps, resolve_backend
 from sa_kernels.rms_norm import reference
 
 __all__ = ["grouped_rms_norm", "rms_norm", "rms_norm_with_rstd"]
@@ -94,8 +92,7 @@ def _check(
         )
     if x.shape[-1] == 0:
         raise ValueError(f"{fn}: {name} must have at least one channel; got shape {tuple(x.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"{fn}: eps must be a finite, non-negative float; got {eps!r}")
+    check_eps(fn, eps)
     if output_dtype is None:
         output_dtype = x.dtype
     if not isinstance(output_dtype, torch.dtype) or output_dtype not in _FLOATS:

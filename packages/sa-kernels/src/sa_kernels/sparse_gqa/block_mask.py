@@ -219,7 +219,7 @@ def build_route_block_mask(
             f"{fn}: token_ids must be [batch, queries, W] or [batch, kv_heads, queries, W]; "
             f"got shape {tuple(token_ids.shape)}"
         )
-    if min(token_ids.shape, default=1) == 0:
+    if token_ids.numel() == 0:
         raise ValueError(
             f"{fn}: token_ids must not be empty (batch, queries and W >= 1); got shape "
             f"{tuple(token_ids.shape)}"
