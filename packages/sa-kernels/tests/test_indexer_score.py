@@ -67,15 +67,8 @@ def test_launch_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
 
 
 def _resident(block_m=16, block_r=16, programs=3, warps=4, stages=2):
-    return {
-        "KERNEL": "resident",
-        "BLOCK_M": block_m,
-        "BLOCK_R": block_r,
-        "PER_SM": 1,
-        "PROGRAMS": programs,
-        "num_warps": warps,
-        "num_stages": stages,
-    }
+    """A resident config at interpreter size, with a fixed program count (the test-only PROGRAMS)."""
+    return {**triton_kernels._resident(block_m, block_r, 1, warps, stages), "PROGRAMS": programs}
 
 
 # (batch, queries, groups, heads, dim, regions, start, stop, programs): the programs' runs of tiles start and end
@@ -157,6 +150,7 @@ def test_sweep_configs_at_their_gpu_block_sizes_match_the_reference(cfg):
 
 def test_resident_config_runs_the_tiles_kernel_when_dim_exceeds_256():
     query, weights, summary = _inputs(1, 6, 1, 2, 272, 20, seed=9)
+    assert not triton_kernels._resident_runs(query, interpret=True)  # so the tiles kernel serves it
     out = torch.full((1, 1, 5, 20), float("nan"))
     triton_kernels.indexer_score_tile(query, weights, summary, 1, 6, out, _config=_resident())
     expected = reference.indexer_score_tile(query, weights, summary, 1, 6)

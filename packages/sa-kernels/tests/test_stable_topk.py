@@ -182,8 +182,8 @@ def test_equals_the_stable_sort_on_cuda_at_real_size(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n", [32768, 16385, 3000, 513, 100, 1], ids=lambda n: f"n{n}")
 def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
-    """Every block size the kernel compiles (16 … 32768 entries; 4 and 16 warps by default, 8 in the
-    configs below), 16-bit rows too."""
+    """Every block size the kernel compiles (16 … 32768 entries; 4 warps by default, 8 in the configs
+    below), 16-bit rows too."""
     k = min(512, n)
     scores = _tied_scores((600, n), torch.float32, seed=n, device="cuda")
     scores[:300] += torch.randn(300, n, device="cuda")
