@@ -891,7 +891,9 @@ def test_cuda_fa4_refuses_routes_its_causal_mask_cannot_serve():
     ids = torch.where(causal <= pos, causal, -1).to(torch.int32).unsqueeze(0)
     with pytest.raises(ValueError, match=r"fa4.*aligned like FA4"):
         sparse_gqa_attention(q, k, v, ids, backend="fa4")
-    assert sparse_gqa_attention(q, k, v, ids, backend="auto").isfinite().all()
+    auto = sparse_gqa_attention(q, k, v, ids, backend="auto")
+    ref = sparse_gqa_attention_reference(q.float(), k.float(), v.float(), ids)
+    assert _relative_error(auto, ref) < 1e-2  # the backend auto chose serves the shard correctly
 
 
 @pytest.mark.gpu
