@@ -150,15 +150,26 @@ def _sparse_mla_bwd_dq_kernel(
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
         # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
-        st = tl.dot(k_nope, tl.trans(q_nope))
+        # Each dot that feeds the dq dots sits in an `if` whose branches are the same dot, so that
+        # Triton does not lay it out as a chained dot: see the forward kernel.
+        if start < length:
+            st = tl.dot(k_nope, tl.trans(q_nope))
+        else:
+            st = tl.dot(k_nope, tl.trans(q_nope))
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            st += tl.dot(k_rope, tl.trans(q_rope))
+            if start >= 0:
+                st = tl.dot(k_rope, tl.trans(q_rope), st)
+            else:
+                st = tl.dot(k_rope, tl.trans(q_rope), st)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
-        dpt = tl.dot(k_nope, tl.trans(do))
+        if start < width:
+            dpt = tl.dot(k_nope, tl.trans(do))
+        else:
+            dpt = tl.dot(k_nope, tl.trans(do))
         ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
