@@ -83,11 +83,12 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     dq = [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 2)]
     dkv = [
         (32, 64, 4, 1),
-        (32, 64, 8, 1),
-        (16, 64, 4, 1),
-        (32, 128, 8, 1),
-        (128, 64, 8, 1),
         (64, 64, 8, 1),
+        (128, 64, 8, 1),
+        (128, 32, 8, 1),
+        (64, 32, 8, 1),
+        (128, 64, 8, 2),
+        (64, 64, 4, 1),
     ]
     # The dq and dkv kernels are timed separately: the other one gets a fixed config.
     runs = [

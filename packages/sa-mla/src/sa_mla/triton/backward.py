@@ -249,13 +249,24 @@ def _sparse_mla_bwd_dkv_kernel(
                 k_c = k_c.to(tl.float32)
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            st += tl.dot(k_c, tl.trans(q_c))
-            dpt += tl.dot(k_c, tl.trans(do_c))
+            # Every dot whose result feeds another dot sits in an `if` whose branches are the same
+            # dot, so that Triton does not lay it out as a chained dot: see the forward kernel.
+            if start < length:
+                st = tl.dot(k_c, tl.trans(q_c), st)
+            else:
+                st = tl.dot(k_c, tl.trans(q_c), st)
+            if start >= 0:
+                dpt = tl.dot(k_c, tl.trans(do_c), dpt)
+            else:
+                dpt = tl.dot(k_c, tl.trans(do_c), dpt)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            st += tl.dot(k_rope, tl.trans(q_rope))
+            if start < length:
+                st = tl.dot(k_rope, tl.trans(q_rope), st)
+            else:
+                st = tl.dot(k_rope, tl.trans(q_rope), st)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
         dst = pt * (dpt - delta[None, :]) * scale
@@ -266,7 +277,11 @@ def _sparse_mla_bwd_dkv_kernel(
             if UPCAST:
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            dk_c = tl.dot(dst.to(q_c.dtype), q_c) + tl.dot(pt.to(do_c.dtype), do_c)
+            if start < length:
+                dk_c = tl.dot(dst.to(q_c.dtype), q_c)
+            else:
+                dk_c = tl.dot(dst.to(q_c.dtype), q_c)
+            dk_c = tl.dot(pt.to(do_c.dtype), do_c, dk_c)
             tl.atomic_add(
                 dkv_row[:, None] + c * DC + offs_c[None, :],
                 dk_c,
