@@ -12,6 +12,7 @@ import triton.language as tl
 
 from sa_mla.triton.forward import LOG2E, VALUE_DIM
 from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
+from sa_mla.triton.unchained import unchained_dot
 
 
 @triton.jit
@@ -150,26 +151,15 @@ def _sparse_mla_bwd_dq_kernel(
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
         # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
-        # Each dot that feeds the dq dots sits in an `if` whose branches are the same dot, so that
-        # Triton does not lay it out as a chained dot: see the forward kernel.
-        if start < length:
-            st = tl.dot(k_nope, tl.trans(q_nope))
-        else:
-            st = tl.dot(k_nope, tl.trans(q_nope))
+        st = unchained_dot(k_nope, q_nope, None, start < length, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            if start >= 0:
-                st = tl.dot(k_rope, tl.trans(q_rope), st)
-            else:
-                st = tl.dot(k_rope, tl.trans(q_rope), st)
+            st = unchained_dot(k_rope, q_rope, st, start >= 0, TRANS_B=True)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
-        if start < width:
-            dpt = tl.dot(k_nope, tl.trans(do))
-        else:
-            dpt = tl.dot(k_nope, tl.trans(do))
+        dpt = unchained_dot(k_nope, do, None, start < width, TRANS_B=True)
         ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
@@ -249,24 +239,13 @@ def _sparse_mla_bwd_dkv_kernel(
                 k_c = k_c.to(tl.float32)
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            # Every dot whose result feeds another dot sits in an `if` whose branches are the same
-            # dot, so that Triton does not lay it out as a chained dot: see the forward kernel.
-            if start < length:
-                st = tl.dot(k_c, tl.trans(q_c), st)
-            else:
-                st = tl.dot(k_c, tl.trans(q_c), st)
-            if start >= 0:
-                dpt = tl.dot(k_c, tl.trans(do_c), dpt)
-            else:
-                dpt = tl.dot(k_c, tl.trans(do_c), dpt)
+            st = unchained_dot(k_c, q_c, st, start < length, TRANS_B=True)
+            dpt = unchained_dot(k_c, do_c, dpt, start >= 0, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            if start < length:
-                st = tl.dot(k_rope, tl.trans(q_rope), st)
-            else:
-                st = tl.dot(k_rope, tl.trans(q_rope), st)
+            st = unchained_dot(k_rope, q_rope, st, start < length, TRANS_B=True)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
         dst = pt * (dpt - delta[None, :]) * scale
@@ -277,10 +256,7 @@ def _sparse_mla_bwd_dkv_kernel(
             if UPCAST:
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            if start < length:
-                dk_c = tl.dot(dst.to(q_c.dtype), q_c)
-            else:
-                dk_c = tl.dot(dst.to(q_c.dtype), q_c)
+            dk_c = unchained_dot(dst.to(q_c.dtype), q_c, None, start < length)
             dk_c = tl.dot(pt.to(do_c.dtype), do_c, dk_c)
             tl.atomic_add(
                 dkv_row[:, None] + c * DC + offs_c[None, :],

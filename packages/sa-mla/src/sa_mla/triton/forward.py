@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from sa_mla.triton.launch import LaunchConfig, _launch, forward_configs
+from sa_mla.triton.unchained import unchained_dot
 
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
@@ -73,25 +74,12 @@ def _sparse_mla_fwd_kernel(
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
-        # The score dots sit in `if`s whose branches are the same dot: a region boundary that hides
-        # the value dot from their forward slices. Triton gives a dot that feeds another dot (the
-        # flash-attention chain) all warps along its rows; at 8 warps and 64 head rows that is two
-        # warpgroups of 64 rows each, i.e. every score computed twice. Without the chain the two
-        # warpgroups split the keys, and P reaches the value dot through shared memory instead.
-        # (Identical branches, not a constant in one of them: a constant there is staged through
-        # shared memory too, which no longer fits beside the pipelined key tiles.)
-        if start < length:
-            s = tl.dot(q_nope, tl.trans(k_nope))
-        else:
-            s = tl.dot(q_nope, tl.trans(k_nope))
+        s = unchained_dot(q_nope, k_nope, None, start < length, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            if start >= 0:
-                s = tl.dot(q_rope, tl.trans(k_rope), s)
-            else:
-                s = tl.dot(q_rope, tl.trans(k_rope), s)
+            s = unchained_dot(q_rope, k_rope, s, start >= 0, TRANS_B=True)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
