@@ -71,7 +71,8 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     delta = sparse_mla_delta(out, dout)
     lse_total = torch.logaddexp(lse, sink[None])
     # Spill-free 32-head forward blocks (179/202 registers per ptxas) measured slower on the H200
-    # (137/188 vs 234 TFLOP/s, 2026-11-29), so the sweep keeps the 64-head neighbours of the defaults.
+    # (137/188 vs the then-default's 234 TFLOP/s, 2026-11-29, before the unchained score dots), so
+    # the sweep keeps the 64-head neighbours of the defaults.
     fwd = [
         (64, 64, 8, 3),
         (64, 64, 8, 2),
@@ -82,13 +83,13 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     ]
     dq = [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 1), (64, 32, 8, 2)]
     dkv = [
+        (64, 64, 4, 1),
         (32, 64, 4, 1),
         (64, 64, 8, 1),
         (128, 64, 8, 1),
         (128, 32, 8, 1),
         (64, 32, 8, 1),
         (128, 64, 8, 2),
-        (64, 64, 4, 1),
     ]
     # The dq and dkv kernels are timed separately: the other one gets a fixed config.
     runs = [

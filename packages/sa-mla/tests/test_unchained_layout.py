@@ -1,11 +1,12 @@
-"""The forward kernel's score dots keep out of Triton's dot chain (see `sa_mla.triton.unchained`).
+"""The 8-warp kernels' score dots keep out of Triton's dot chain (see `sa_mla.triton.unchained`).
 
 Compiled offline for sm_90 (no GPU needed), in a subprocess without TRITON_INTERPRET, which would hand
-the compiler interpreted functions. The check reads the MMA layouts of the compiled kernel: a score dot
-laid out as a chain link has all 8 warps along its 64 head rows (`warpsPerCTA = [8, 1]`), which computes
-every score twice on the H200 (docs/benchmarks.md, sixth session).
+the compiler interpreted functions. The check reads the MMA layouts of the compiled kernels: a score dot
+laid out as a chain link has all 8 warps along its 64 rows (`warpsPerCTA = [8, 1]`), which computes every
+score twice on the H200 (docs/benchmarks.md, sixth session).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -15,41 +16,69 @@ import pytest
 
 pytest.importorskip("triton")
 
+_NO_SM90 = 77  # the subprocess's exit code when this Triton cannot compile for sm_90 at all
+
 _COMPILE = textwrap.dedent(
-    """
+    f"""
+    import json, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from sa_mla.triton.forward import _sparse_mla_fwd_kernel as fn
 
-    const = dict(HAS_LEN=False, HAS_SINK=True, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False)
-    pointers = dict(Q="*bf16", KV="*bf16", OUT="*bf16", IDX="*i32", TOPK_LEN="*i32", SINK="*fp32", LSE="*fp32")
-    signature = {
-        n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
-        for n in fn.arg_names
-    }
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=const),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 8, "num_stages": 3},
+    if "nvidia" not in triton.backends.backends:
+        sys.exit({_NO_SM90})
+    from sa_mla.triton.backward import _sparse_mla_bwd_dq_kernel
+    from sa_mla.triton.forward import _sparse_mla_fwd_kernel
+
+    POINTERS = dict(
+        Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32",
+        SINK="*fp32", LSE="*fp32", LSE2="*fp32", DELTA="*fp32",
     )
-    print("\\n".join(line for line in kernel.asm["ttgir"].splitlines() if line.startswith("#mma")))
+    SCALARS = dict(scale="fp32", scale_log2="fp32")
+    INTS = ("heads", "keys", "width")
+
+    def mma_layouts(fn, const, num_stages):
+        signature = {{}}
+        for name in fn.arg_names:
+            if name in const:
+                signature[name] = "constexpr"
+            elif name in POINTERS or name in SCALARS:
+                signature[name] = POINTERS.get(name) or SCALARS[name]
+            elif name.startswith("stride") or name in INTS:
+                signature[name] = "i32"
+            else:
+                raise SystemExit(f"unexpected kernel argument {{name!r}}: update this test")
+        kernel = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=const),
+            target=GPUTarget("cuda", 90, 32),
+            options={{"num_warps": 8, "num_stages": num_stages}},
+        )
+        return [line for line in kernel.asm["ttgir"].splitlines() if line.startswith("#mma")]
+
+    blocks = dict(HAS_LEN=False, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False)
+    print(json.dumps({{
+        "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_SINK=True), 3),
+        "dq": mma_layouts(_sparse_mla_bwd_dq_kernel, dict(blocks, DR=64), 1),
+    }}))
     """
 )
 
 
-def _compiled_mma_layouts() -> list[str]:
+@pytest.fixture(scope="module")
+def compiled_layouts() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
     )
-    if result.returncode != 0:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {result.stderr.strip()[-300:]}")
-    return [line for line in result.stdout.splitlines() if line.startswith("#mma")]
+    if result.returncode == _NO_SM90:
+        pytest.skip("this Triton has no NVIDIA backend to compile for sm_90")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_forward_score_dots_split_the_keys_between_the_warpgroups():
-    layouts = _compiled_mma_layouts()
-    assert layouts, "no MMA layout in the compiled kernel"
+@pytest.mark.parametrize("kernel", ["forward", "dq"])
+def test_score_dots_split_the_keys_between_the_warpgroups(compiled_layouts, kernel):
+    layouts = compiled_layouts[kernel]
+    assert layouts, f"no MMA layout in the compiled {kernel} kernel"
     assert all("warpsPerCTA = [8, 1]" not in line for line in layouts), layouts
     assert any("warpsPerCTA = [4, 2]" in line for line in layouts), layouts

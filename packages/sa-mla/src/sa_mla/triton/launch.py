@@ -47,8 +47,8 @@ def dq_configs(heads: int) -> list[LaunchConfig]:
 def dkv_configs(heads: int) -> list[LaunchConfig]:
     if triton_interpret():
         return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
-    # 64 heads per program: half the atomic adds of 32, and (since the dkv kernel's score dots stopped
-    # being laid out as a chain) 44.7 ms against 54.2 for the whole backward on the H200 (2026-11-29).
+    # 64 heads per program: half the atomic adds of 32 heads; the whole backward took 44.7 ms against
+    # 54.2 on the H200 (2026-11-29, docs/benchmarks.md).
     h = _head_block(heads)
     return [LaunchConfig(h, 64, 4, 1), LaunchConfig(h, 32, 4, 1), LaunchConfig(16, 32, 4, 1)]
 

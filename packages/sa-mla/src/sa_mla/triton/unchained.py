@@ -4,11 +4,12 @@ Triton gives a dot whose result feeds another dot (the flash-attention chain: sc
 its warps along the rows. The sparse MLA kernels' score dots have 64 rows (heads or slots), so at 8
 warps that is two warpgroups of 64 rows each: every score is computed twice. Triton finds the chain in
 the dot's forward slice, which stops at a region's terminator; so the dot is placed in both branches of
-an `if` that always holds, and the warpgroups split the columns instead. The later dot then reads its
-operand through shared memory. Identical branches rather than a constant in one of them: the constant
-would be staged through shared memory too, and the key tiles leave no room for it.
+an `if` on a run-time condition, and the warpgroups split the columns instead. The later dot then reads
+its operand through shared memory. Identical branches rather than a constant in one of them: the
+constant would be staged through shared memory too, and the key tiles leave no room for it.
 
-H200 (2026-11-29, docs/benchmarks.md): forward 236 -> 281 TFLOP/s, backward 93 -> 131 TFLOP/s.
+H200 (2026-11-29, docs/benchmarks.md): forward 236 -> 281 TFLOP/s; backward 93 -> 107 TFLOP/s from the
+8-warp dq kernel (the dkv kernel's default runs 4 warps, one warpgroup, where the layout is the same).
 """
 
 import triton
@@ -16,14 +17,15 @@ import triton.language as tl
 
 
 @triton.jit
-def unchained_dot(a, b, acc, always_true, TRANS_B: tl.constexpr = False):
+def unchained_dot(a, b, acc, opaque_condition, TRANS_B: tl.constexpr = False):
     """`tl.dot(a, b, acc)`, or with `TRANS_B` `tl.dot(a, tl.trans(b), acc)` (`acc` None: no
     accumulator). The transpose is taken inside the branches, next to its dot, as a plain
     `tl.dot(a, tl.trans(b))` would have it: taken outside, the transposed operand is staged in shared
-    memory once more. `always_true` must hold at run time and must not be a constant (the branch would
-    be folded away). Two calls whose results feed each other need distinct `always_true` values: MLIR
-    merges adjacent `if`s on one condition into one region, and the chain would show again."""
-    if always_true:
+    memory once more. `opaque_condition`: any boolean the compiler cannot fold (its value does not
+    matter: both branches are the same dot). Two calls whose results feed each other need different
+    conditions: MLIR merges adjacent `if`s on one condition into one region, and the chain would show
+    again."""
+    if opaque_condition:
         out = _dot(a, b, acc, TRANS_B)
     else:
         out = _dot(a, b, acc, TRANS_B)
