@@ -4,8 +4,9 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 at 32k, keep 512) and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
-`--sweep` also times warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) per shape, checks
-each against the PyTorch path, and prints the best.
+`--sweep` also times, per shape, warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) and
+software-pipelined prefilter loads around the default, checks each against the PyTorch path, and
+prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
 """
@@ -37,7 +38,8 @@ def _label(config: LaunchConfig, block: int, k: int) -> str:
     """The launch as it runs: the prefilter's maxima where it applies, else 0."""
     maxima = _prefilter_maxima(config, block, k)
     chunk = f"-chunk{max(maxima, config.prefilter_chunk)}" if maxima else ""
-    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}{chunk}"
+    stages = f"-stages{config.prefilter_stages}" if maxima and config.prefilter_stages > 1 else ""
+    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}{chunk}{stages}"
 
 
 def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
@@ -64,7 +66,9 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         expected = stable_topk(scores, k, backend="reference")
         timings = {}
         tile = 2048 if block > 2048 else 0
-        for warps in (4, 8, 16):
+        configs = [
+            LaunchConfig(warps, tile, prefilter, chunk)
+            for warps in (4, 8, 16)
             for prefilter, chunk in (
                 (0, 2048),
                 (1024, 2048),
@@ -72,14 +76,22 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
                 (2048, 2048),
                 (2048, 4096),
                 (1024, 8192),  # one chunk at 8192 entries: the whole row in registers
-            ):
-                config = LaunchConfig(warps, tile, prefilter, chunk)
-                if _label(config, block, k) in timings:  # the prefilter does not apply here
-                    continue
-                assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
-                timings[_label(config, block, k)] = do_bench(
-                    lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50
-                )
+            )
+        ]
+        # the prefilter's chunk loads software-pipelined, around the current default
+        configs += [
+            LaunchConfig(warps, tile, 1024, chunk, prefilter_stages=stages)
+            for warps in (4, 8)
+            for chunk in (1024, 2048)
+            for stages in (2, 3)
+        ]
+        for config in configs:
+            if _label(config, block, k) in timings:  # the prefilter does not apply here
+                continue
+            assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
+            timings[_label(config, block, k)] = do_bench(
+                lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50
+            )
         row.update(
             sweep_ms=timings,
             default=_label(default_config(block, k), block, k),

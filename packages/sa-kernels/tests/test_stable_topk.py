@@ -137,9 +137,18 @@ def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
     paths = _prefilter_paths(scores, k, maxima)
     assert set(paths.tolist()) == {0, 1, 2}, paths  # every path runs
     expected = reference.stable_topk(scores, k)
-    for tile, chunk in ((0, 2048), (64, maxima)):  # streamed in one chunk or in n / maxima of them
-        config = LaunchConfig(output_tile=tile, prefilter=maxima, prefilter_chunk=chunk)
+    # streamed in one chunk or in n / maxima of them; chunk loads pipelined or not
+    for tile, chunk, stages in ((0, 2048, 1), (64, maxima, 1), (64, maxima, 3)):
+        config = LaunchConfig(
+            tile, prefilter=maxima, prefilter_chunk=chunk, prefilter_stages=stages
+        )
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
+
+
+@pytest.mark.parametrize("stages", [0, 1.5, True])
+def test_launch_config_refuses_a_pipeline_depth_below_one(stages):
+    with pytest.raises(ValueError, match="prefilter_stages"):
+        LaunchConfig(prefilter_stages=stages)
 
 
 def test_triton_backend_refuses_rows_longer_than_a_program_holds():
@@ -192,6 +201,7 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     assert torch.equal(got, reference.stable_topk(scores, k))
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
     configs = [LaunchConfig(8, 1024, maxima) for maxima in (0, 1024)]
+    configs.append(LaunchConfig(4, 2048, 1024, prefilter_stages=3))  # chunk loads pipelined
     for config in configs:
         assert torch.equal(stable_topk_rows(scores, k, _config=config), got), config
 

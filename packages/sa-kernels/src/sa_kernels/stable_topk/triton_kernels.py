@@ -146,6 +146,7 @@ def _stable_topk_kernel(
     OUTPUT_TILE: tl.constexpr,
     MAXIMA: tl.constexpr,
     CHUNK: tl.constexpr,
+    PREFILTER_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_scores = scores_ptr + row * stride_row
@@ -155,7 +156,7 @@ def _stable_topk_kernel(
     ):  # the prefilter, streaming the row in CHUNK-entry tiles (never all of it in registers)
         # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
         maxima = tl.zeros([MAXIMA], dtype=tl.uint32)
-        for start in range(0, n, CHUNK):
+        for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
             chunk_keys = _order_keys(row_scores, start + tl.arange(0, CHUNK), n)
             chunk_max = tl.max(tl.reshape(chunk_keys, [CHUNK // MAXIMA, MAXIMA]), axis=0)
             maxima = tl.maximum(maxima, chunk_max)
@@ -165,7 +166,7 @@ def _stable_topk_kernel(
         # and the count says so.
         row_slots = slots_ptr + row * (2 * stride_out)
         above_bound = tl.zeros([], dtype=tl.int32)
-        for start in range(0, n, CHUNK):
+        for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
             chunk = start + tl.arange(0, CHUNK)
             above = _order_keys(row_scores, chunk, n) > bound
             slot = above_bound + tl.cumsum(above.to(tl.int32), axis=0) - 1
@@ -208,12 +209,25 @@ class LaunchConfig:
         Applies where the row's block is at least 4× that and `2k <= prefilter`, else ignored.
     prefilter_chunk: entries the prefilter reads per step (a power of two; at least `prefilter` are
         read); the prefilter never holds the whole row.
+    prefilter_stages: software-pipelining depth of the prefilter's chunk loads (`tl.range`'s
+        `num_stages`; 1 = none). Without it every chunk waits for its load: the rows are latency-bound
+        (315–430 GB/s on Step-5 rows). 1 is what every H200 sweep so far has run; deeper pipelines
+        compile to cp.async loads (offline sm_90 TTGIR) and are in `bench_stable_topk.py --sweep`, not
+        yet timed on a GPU.
     """
 
     num_warps: int = 4
     output_tile: int = 0
     prefilter: int = 0
     prefilter_chunk: int = PREFILTER_CHUNK
+    prefilter_stages: int = 1
+
+    def __post_init__(self):
+        stages = self.prefilter_stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(
+                f"LaunchConfig: prefilter_stages must be an int >= 1; got {self.prefilter_stages!r}"
+            )
 
 
 def default_config(block: int, k: int) -> LaunchConfig:
@@ -267,6 +281,7 @@ def stable_topk_rows(
         OUTPUT_TILE=min(config.output_tile, block),
         MAXIMA=maxima,
         CHUNK=max(maxima, config.prefilter_chunk),
+        PREFILTER_STAGES=config.prefilter_stages,
         num_warps=config.num_warps,
     )
     return out
