@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -55,7 +56,9 @@ _COMPILE = textwrap.dedent(
         )
         return [line for line in kernel.asm["ttgir"].splitlines() if line.startswith("#mma")]
 
-    blocks = dict(HAS_LEN=False, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False)
+    blocks = dict(
+        HAS_LEN=False, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False, UNCHAIN=True
+    )
     print(json.dumps({{
         "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_SINK=True), 3),
         "dq": mma_layouts(_sparse_mla_bwd_dq_kernel, dict(blocks, DR=64), 1),
@@ -82,3 +85,19 @@ def test_score_dots_split_the_keys_between_the_warpgroups(compiled_layouts, kern
     assert layouts, f"no MMA layout in the compiled {kernel} kernel"
     assert all("warpsPerCTA = [8, 1]" not in line for line in layouts), layouts
     assert any("warpsPerCTA = [4, 2]" in line for line in layouts), layouts
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((9, 0), True), ((8, 0), False), ((10, 0), False)]
+)
+def test_dots_are_unchained_only_on_hopper(monkeypatch, capability, expected):
+    """Only where the duplicated scores were seen and the fix measured; CPU (the interpreter) never."""
+    from sa_mla.triton import unchained
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    unchained._hopper.cache_clear()
+    try:
+        assert unchained.unchain_dots(torch.device("cuda", 0)) is expected
+        assert unchained.unchain_dots(torch.device("cpu")) is False
+    finally:
+        unchained._hopper.cache_clear()

@@ -111,6 +111,7 @@ def _sparse_mla_bwd_dq_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    UNCHAIN: tl.constexpr,
 ):
     """dq[t, h] = scale * sum_j p_j (dO . v_j - delta) k_j over the token's valid slots; one program per
     (head block, token) keeps the whole dq row block in registers. (A variant splitting the value dims
@@ -151,15 +152,15 @@ def _sparse_mla_bwd_dq_kernel(
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
         # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
-        st = unchained_dot(k_nope, q_nope, None, start < length, TRANS_B=True)
+        st = unchained_dot(k_nope, q_nope, None, start < length, UNCHAIN, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            st = unchained_dot(k_rope, q_rope, st, start >= 0, TRANS_B=True)
+            st = unchained_dot(k_rope, q_rope, st, start >= 0, UNCHAIN, TRANS_B=True)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
-        dpt = unchained_dot(k_nope, do, None, start < width, TRANS_B=True)
+        dpt = unchained_dot(k_nope, do, None, start < width, UNCHAIN, TRANS_B=True)
         ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
@@ -199,6 +200,7 @@ def _sparse_mla_bwd_dkv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    UNCHAIN: tl.constexpr,
 ):
     """dkv[id_j] += ds_j^T q (+ p_j^T dO on the value dims), added atomically per slot (FP32).
 
@@ -239,13 +241,13 @@ def _sparse_mla_bwd_dkv_kernel(
                 k_c = k_c.to(tl.float32)
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            st = unchained_dot(k_c, q_c, st, start < length, TRANS_B=True)
-            dpt = unchained_dot(k_c, do_c, dpt, start >= 0, TRANS_B=True)
+            st = unchained_dot(k_c, q_c, st, start < length, UNCHAIN, TRANS_B=True)
+            dpt = unchained_dot(k_c, do_c, dpt, start >= 0, UNCHAIN, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            st = unchained_dot(k_rope, q_rope, st, start < length, TRANS_B=True)
+            st = unchained_dot(k_rope, q_rope, st, start < length, UNCHAIN, TRANS_B=True)
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
         dst = pt * (dpt - delta[None, :]) * scale
@@ -256,7 +258,7 @@ def _sparse_mla_bwd_dkv_kernel(
             if UPCAST:
                 q_c = q_c.to(tl.float32)
                 do_c = do_c.to(tl.float32)
-            dk_c = unchained_dot(dst.to(q_c.dtype), q_c, None, start < length)
+            dk_c = unchained_dot(dst.to(q_c.dtype), q_c, None, start < length, UNCHAIN)
             dk_c = tl.dot(pt.to(do_c.dtype), do_c, dk_c)
             tl.atomic_add(
                 dkv_row[:, None] + c * DC + offs_c[None, :],

@@ -43,6 +43,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    UNCHAIN: tl.constexpr,
 ):
     hb = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -74,12 +75,12 @@ def _sparse_mla_fwd_kernel(
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
-        s = unchained_dot(q_nope, k_nope, None, start < length, TRANS_B=True)
+        s = unchained_dot(q_nope, k_nope, None, start < length, UNCHAIN, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            s = unchained_dot(q_rope, k_rope, s, start >= 0, TRANS_B=True)
+            s = unchained_dot(q_rope, k_rope, s, start >= 0, UNCHAIN, TRANS_B=True)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

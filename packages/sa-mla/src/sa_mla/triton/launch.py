@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import triton
 
 from sa_kernels.backend import triton_interpret
+from sa_mla.triton.unchained import unchain_dots
 
 # Triton's interpreter multiplies bf16 dot operands as raw uint16 (Triton 3.9); the kernels widen them to
 # FP32 first when interpreting (UPCAST), which the compiled kernels never do.
@@ -71,6 +72,7 @@ def _launch(
                 BLOCK_H=config.block_h,
                 BLOCK_K=config.block_k,
                 UPCAST=triton_interpret(),
+                UNCHAIN=unchain_dots(args[0].device),
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
             )

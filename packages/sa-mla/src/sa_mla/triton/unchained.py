@@ -12,21 +12,42 @@ H200 (2026-11-29, docs/benchmarks.md): forward 236 -> 281 TFLOP/s; backward 93 -
 8-warp dq kernel (the dkv kernel's default runs 4 warps, one warpgroup, where the layout is the same).
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def unchain_dots(device: torch.device) -> bool:
+    """Whether the kernels keep their score dots out of the chain on `device`: on Hopper (sm_90),
+    where the duplicated scores were seen and the fix measured. Elsewhere (sm_80's MMA layouts differ,
+    Blackwell's were not looked at) and in the interpreter the dots stay plain."""
+    return device.type == "cuda" and _hopper(device.index if device.index is not None else 0)
+
+
 @triton.jit
-def unchained_dot(a, b, acc, opaque_condition, TRANS_B: tl.constexpr = False):
+def unchained_dot(
+    a, b, acc, opaque_condition, UNCHAIN: tl.constexpr, TRANS_B: tl.constexpr = False
+):
     """`tl.dot(a, b, acc)`, or with `TRANS_B` `tl.dot(a, tl.trans(b), acc)` (`acc` None: no
-    accumulator). The transpose is taken inside the branches, next to its dot, as a plain
+    accumulator), kept out of a dot chain where `UNCHAIN` holds (see `unchain_dots`; elsewhere the plain
+    dot). The transpose is taken inside the branches, next to its dot, as a plain
     `tl.dot(a, tl.trans(b))` would have it: taken outside, the transposed operand is staged in shared
     memory once more. `opaque_condition`: any boolean the compiler cannot fold (its value does not
     matter: both branches are the same dot). Two calls whose results feed each other need different
     conditions: MLIR merges adjacent `if`s on one condition into one region, and the chain would show
     again."""
-    if opaque_condition:
-        out = _dot(a, b, acc, TRANS_B)
+    if UNCHAIN:
+        if opaque_condition:
+            out = _dot(a, b, acc, TRANS_B)
+        else:
+            out = _dot(a, b, acc, TRANS_B)
     else:
         out = _dot(a, b, acc, TRANS_B)
     return out
