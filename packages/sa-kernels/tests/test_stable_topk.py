@@ -140,7 +140,7 @@ def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
     # streamed in one chunk or in n / maxima of them; chunk loads pipelined or not
     for tile, chunk, stages in ((0, 2048, 1), (64, maxima, 1), (64, maxima, 3)):
         config = LaunchConfig(
-            tile, prefilter=maxima, prefilter_chunk=chunk, prefilter_stages=stages
+            output_tile=tile, prefilter=maxima, prefilter_chunk=chunk, prefilter_stages=stages
         )
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
 

@@ -210,10 +210,10 @@ class LaunchConfig:
     prefilter_chunk: entries the prefilter reads per step (a power of two; at least `prefilter` are
         read); the prefilter never holds the whole row.
     prefilter_stages: software-pipelining depth of the prefilter's chunk loads (`tl.range`'s
-        `num_stages`; 1 = none). Without it every chunk waits for its load: the rows are latency-bound
-        (315–430 GB/s on Step-5 rows). 1 is what every H200 sweep so far has run; deeper pipelines
-        compile to cp.async loads (offline sm_90 TTGIR) and are in `bench_stable_topk.py --sweep`, not
-        yet timed on a GPU.
+        `num_stages`; 1 = none, what every H200 sweep so far has run). At 1 each chunk waits for its
+        load, which may be what bounds these rows (315–430 GB/s on Step-5 rows; a hypothesis). Deeper
+        pipelines compile to cp.async loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none)
+        and are in `bench_stable_topk.py --sweep`; not yet run or timed on a GPU.
     """
 
     num_warps: int = 4
