@@ -34,6 +34,13 @@ def _route_head(h, ROUTE_PER_GROUP: tl.constexpr):
 
 
 @triton.jit
+def _load_group_rows(ptr, b64, q64, stride_b, stride_q, stride_h, heads, offs_d, mask):
+    """[BLOCK_G, BLOCK_D] rows of one query's heads of a [B, Q, H, D] tensor (last-dim stride 1)."""
+    rows = ptr + b64 * stride_b + q64 * stride_q + heads[:, None] * stride_h + offs_d[None, :]
+    return tl.load(rows, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gather_fwd_kernel(
     q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qq, stride_qh,
@@ -59,13 +66,12 @@ def _gather_fwd_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = h * GROUP + offs_g
     b64 = b.to(tl.int64)
-    q_base = q_ptr + b64 * stride_qb + q_idx.to(tl.int64) * stride_qq
-    q = tl.load(
-        q_base + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q_idx.to(tl.int64) * stride_rq
+    q64 = q_idx.to(tl.int64)
+    q = _load_group_rows(
+        q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d,
+        g_mask[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
     count = tl.load(counts_ptr + b64 * stride_cb + rh64 * stride_ch + q_idx)
     k_base = k_ptr + b64 * stride_kb + h * stride_kh
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
@@ -91,7 +97,7 @@ def _gather_fwd_kernel(
         m_i = m_new
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_base = out_ptr + b64 * stride_ob + q_idx.to(tl.int64) * stride_oq
+    o_base = out_ptr + b64 * stride_ob + q64 * stride_oq
     tl.store(
         o_base + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -143,32 +149,14 @@ def _gather_bwd_kernel(
         d_mask = offs_d < HEAD_DIM
         gd_mask = g_mask[:, None] & d_mask[None, :]
         heads = h * GROUP + offs_g
-        q = tl.load(
-            q_ptr
-            + b64 * stride_qb
-            + q64 * stride_qq
-            + heads[:, None] * stride_qh
-            + offs_d[None, :],
-            mask=gd_mask,
-            other=0.0,
+        q = _load_group_rows(
+            q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d, gd_mask
         )
-        do = tl.load(
-            do_ptr
-            + b64 * stride_dob
-            + q64 * stride_doq
-            + heads[:, None] * stride_doh
-            + offs_d[None, :],
-            mask=gd_mask,
-            other=0.0,
+        do = _load_group_rows(
+            do_ptr, b64, q64, stride_dob, stride_doq, stride_doh, heads, offs_d, gd_mask
         )
-        o = tl.load(
-            o_ptr
-            + b64 * stride_ob
-            + q64 * stride_oq
-            + heads[:, None] * stride_oh
-            + offs_d[None, :],
-            mask=gd_mask,
-            other=0.0,
+        o = _load_group_rows(
+            o_ptr, b64, q64, stride_ob, stride_oq, stride_oh, heads, offs_d, gd_mask
         )
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
