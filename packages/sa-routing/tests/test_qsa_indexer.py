@@ -193,7 +193,7 @@ def test_indexer_inputs_it_would_get_wrong_or_fail_on_obscurely_are_rejected():
         norm(torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., 4\]"):
         norm(torch.ones(2, 5))
-    with pytest.raises(ValueError, match="eps must be a finite float"):
+    with pytest.raises(ValueError, match="eps must be a finite, non-negative float"):
         QSARMSNorm(4, -1.0)
     with pytest.raises(ValueError, match="rms_norm_eps must be a finite float"):
         QSAIndexerConfig(hidden_size=40, rms_norm_eps=float("inf"))

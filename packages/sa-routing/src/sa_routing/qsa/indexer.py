@@ -10,11 +10,12 @@ Queries are projected chunk by chunk inside the selection, so no `[S, H_idx, D_i
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from sa_kernels.backend import check_eps
 
 from .config import QSAIndexerConfig
 from .context_parallel import QSAContextParallel
@@ -30,8 +31,7 @@ class QSARMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < math.inf:
-            raise ValueError(f"QSARMSNorm: eps must be a finite float >= 0; got {eps!r}")
+        check_eps("QSARMSNorm", eps)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
