@@ -173,8 +173,9 @@ def shard_sequence(
         )
     dim = sequence_dim("shard_sequence", x, dim)
     if not x.is_floating_point() and not x.is_complex():
-        try:  # the value the padding would hold, compared with the one asked for
-            stored = x.new_full((), pad_value).item()
+        try:  # the value the padding would hold, compared with the one asked for (on the host:
+            # a CUDA scalar read back here would cost a device sync per call)
+            stored = torch.full((), pad_value, dtype=x.dtype).item()
         except (RuntimeError, TypeError, ValueError, OverflowError):
             stored = None
         if stored is None or stored != pad_value:

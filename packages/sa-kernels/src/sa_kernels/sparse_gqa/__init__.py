@@ -164,8 +164,9 @@ def auto_backend(
     whole tiles plus exact causal cuts (`fa4.fa4_route_issue`), else "flex"; otherwise "gather"
     (verified on every route structure). At head_dim 256 a call without gradients (`requires_grad`
     False) keeps Flex: FA4's forward there runs 64-key tiles and took 13.2 ms against Flex's 5.3 at
-    32k on the H200, while fwd+bwd it took 26.7 against 35.9 (docs/benchmarks.md, fourth session). Clustered: the mask was built with its tile statistics (`build_flex=None` or True),
-    its Flex BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
+    32k on the H200, while fwd+bwd it took 26.7 against 35.9 (docs/benchmarks.md, fourth session).
+    Clustered: the mask was built with its tile statistics (`build_flex=None` or True), its Flex
+    BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
     its work. Envelope: bfloat16/float16 inputs, head_dim <= 128 (shared or per-KV-group routes) or
     256 (shared routes), a GPU whose compute capability is in FLEX_TESTED_CAPABILITIES (`capability`;
