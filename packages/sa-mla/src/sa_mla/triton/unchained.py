@@ -12,26 +12,17 @@ H200 (2026-11-29, docs/benchmarks.md): forward 236 -> 281 TFLOP/s; backward 93 -
 8-warp dq kernel (the dkv kernel's default runs 4 warps, one warpgroup, where the layout is the same).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-
-
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def unchain_dots(device: torch.device) -> bool:
     """Whether the kernels keep their score dots out of the chain on `device`: on Hopper (sm_90),
     where the duplicated scores were seen and the fix measured. Elsewhere (sm_80's MMA layouts differ,
     Blackwell's were not looked at) and on CPU tensors (the interpreter tests) the dots stay plain; both
-    forms compute the same dot."""
-    if device.type != "cuda":
-        return False
-    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+    forms compute the same dot. (torch caches the device properties behind the capability.)"""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @triton.jit
