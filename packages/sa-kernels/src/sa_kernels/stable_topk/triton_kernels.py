@@ -193,8 +193,8 @@ def _stable_topk_kernel(
         _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
 
 
-# Entries the prefilter reads per step (at least MAXIMA): 16 per thread at 4 warps.
-PREFILTER_CHUNK = 2048
+# Entries the prefilter reads per step (at least MAXIMA): 8 per thread at 4 warps.
+PREFILTER_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -210,17 +210,15 @@ class LaunchConfig:
     prefilter_chunk: entries the prefilter reads per step (a power of two; at least `prefilter` are
         read); the prefilter never holds the whole row.
     prefilter_stages: software-pipelining depth of the prefilter's chunk loads (`tl.range`'s
-        `num_stages`; 1 = none, what every H200 sweep so far has run). At 1 each chunk waits for its
-        load, which may be what bounds these rows (315–430 GB/s on Step-5 rows; a hypothesis). Deeper
-        pipelines compile to cp.async loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none)
-        and are in `bench_stable_topk.py --sweep`; not yet run or timed on a GPU.
+        `num_stages`; 1 = none: each chunk waits for its load). Deeper pipelines compile to cp.async
+        loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none).
     """
 
     num_warps: int = 4
     output_tile: int = 0
     prefilter: int = 0
     prefilter_chunk: int = PREFILTER_CHUNK
-    prefilter_stages: int = 1
+    prefilter_stages: int = 3
 
     def __post_init__(self):
         stages = self.prefilter_stages
@@ -231,12 +229,14 @@ class LaunchConfig:
 
 
 def default_config(block: int, k: int) -> LaunchConfig:
-    """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, 2026-11-29 20:31
-    UTC, FP32 rows, k 512): 4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries,
-    the prefilter (1024 maxima, 2048-entry chunks) for blocks of 8192 entries or more. 32768 entries:
-    0.391 ms (0.595 with the in-register prefilter at 16 warps), 16384: 0.209 (0.278); 4096 runs the
-    whole-row walk (0.128; prefilter 0.136). A k above half the maxima takes the next power of two of
-    2k maxima where the block still holds 4 entries per maximum (not timed), else no prefilter."""
+    """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, FP32 rows, k 512):
+    4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries, and for blocks of 8192
+    entries or more the prefilter (1024 maxima) reading 1024-entry chunks through a 3-stage pipeline
+    (2026-11-30 00:10 UTC: 32768 entries 0.296 ms, 16384 0.169, 8192 0.189, against 0.390, 0.208, 0.208
+    for the unpipelined 2048-entry chunks of the 2026-11-29 20:31 sweep). 4096 runs the whole-row walk
+    (0.129; the pipelined prefilter 0.128, within noise). A k above half the maxima takes the next power
+    of two of 2k maxima where the block still holds 4 entries per maximum (not timed), else no
+    prefilter."""
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,
