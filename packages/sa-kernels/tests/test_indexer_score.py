@@ -157,6 +157,52 @@ def test_resident_config_runs_the_tiles_kernel_when_dim_exceeds_256():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
+def _candidate_bounds(batch, n_q, regions, device="cpu", seed=0):
+    """Per-query windows `[first, past)` over the regions, with the edges that matter: empty windows,
+    windows reaching past either end, a whole row, and a single region."""
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(-3, regions + 3, (batch, n_q), generator=gen)
+    past = first + torch.randint(-2, regions, (batch, n_q), generator=gen)
+    first[0, :3] = torch.tensor([0, 5, -1])
+    past[0, :3] = torch.tensor([regions, 5, regions + 4])  # whole row, empty, beyond both ends
+    first[-1, -1], past[-1, -1] = regions - 1, regions  # the last region alone
+    return first.to(device), past.to(device)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(triton_kernels._INTERPRET_CONFIG),
+        _resident(programs=4),
+        *triton_kernels.SWEEP_CONFIGS[:1],
+    ],
+    ids=_config_id,
+)
+def test_candidate_bounds_give_minus_inf_outside_each_querys_window(cfg):
+    query, weights, summary = _inputs(2, 40, 2, 3, 40, 150, seed=21)
+    bounds = _candidate_bounds(2, 37, 150)
+    out = torch.full((2, 2, 37, 150), float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 3, 40, out, bounds, _config=cfg)
+    expected = reference.indexer_score_tile(query, weights, summary, 3, 40, bounds)
+    unbounded = reference.indexer_score_tile(query, weights, summary, 3, 40)
+    region = torch.arange(150)
+    inside = (region >= bounds[0][:, None, :, None]) & (region < bounds[1][:, None, :, None])
+    inside = inside.expand_as(out)
+    assert 0 < int(inside.sum()) < inside.numel()
+    assert torch.equal(expected[inside], unbounded[inside])
+    assert bool((expected[~inside] == float("-inf")).all())
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    # the public function: same bits as its kernel, strided bounds accepted
+    strided = tuple(torch.stack([b, b], dim=-1)[..., 0] for b in bounds)
+    assert strided[0].stride(-1) == 2
+    public = indexer_score_tile(
+        query, weights, summary, 3, 40, candidate_bounds=strided, backend="triton"
+    )
+    torch.testing.assert_close(public, expected, atol=1e-4, rtol=1e-5)
+    if cfg == triton_kernels._INTERPRET_CONFIG:  # the config the public call runs interpreted
+        assert torch.equal(public, out)
+
+
 def test_reference_is_the_weighted_sum_of_relu_dot_products():
     query, weights, summary = _inputs(1, 3, 2, 3, 16, 5, torch.float32)
     got = reference.indexer_score_tile(query, weights, summary, 1, 3)
@@ -212,6 +258,19 @@ def test_errors_name_the_argument_and_the_values():
         indexer_score_tile(query, weights, summary, 5, 9)
     with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor"):
         indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 7, 10))
+    first = torch.zeros(1, 8, dtype=torch.int64)
+    with pytest.raises(
+        ValueError,
+        match=r"candidate_bounds past must be int64 \[1, 8\] on cpu; got torch.int32 \[1, 8\]",
+    ):
+        indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first, first.int()))
+    with pytest.raises(
+        ValueError,
+        match=r"candidate_bounds first must be int64 \[1, 6\] on cpu; got torch.int64 \[1, 8\]",
+    ):
+        indexer_score_tile(query, weights, summary, 2, 8, candidate_bounds=(first, first))
+    with pytest.raises(ValueError, match=r"candidate_bounds must be a pair of tensors"):
+        indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first,))
     with pytest.raises(ValueError, match=r"last-dim stride 1"):
         indexer_score_tile(
             query,
@@ -228,6 +287,19 @@ def test_cuda_matches_reference_on_a_128_query_tile_against_4096_regions():
     query, weights, summary = _inputs(1, 300, 4, 4, 256, 4096, device="cuda")
     got = indexer_score_tile(query, weights, summary, 100, 228)
     expected = reference.indexer_score_tile(query, weights, summary, 100, 228)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_candidate_bounds_match_the_reference_and_leave_the_window_bits_unchanged():
+    query, weights, summary = _inputs(1, 300, 4, 4, 256, 4096, device="cuda", seed=3)
+    bounds = _candidate_bounds(1, 128, 4096, device="cuda", seed=3)
+    got = indexer_score_tile(query, weights, summary, 100, 228, candidate_bounds=bounds)
+    plain = indexer_score_tile(query, weights, summary, 100, 228)
+    expected = reference.indexer_score_tile(query, weights, summary, 100, 228, bounds)
+    inside = expected != float("-inf")
+    assert torch.equal(got[inside], plain[inside])
+    assert torch.equal(got == float("-inf"), ~inside)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
 
 

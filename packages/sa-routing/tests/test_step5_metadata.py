@@ -49,22 +49,18 @@ def test_small_tiles_split_sparse_rows_and_skip_dense_chunks() -> None:
     # chunks [0,3) dense, [3,6) sparse 4-5, [6,9) sparse 6, [9,12) sparse 11, [12,14) padding
     assert m.score_tiles == ((0, 4, 6, 0, 2), (0, 6, 7, 0, 3), (0, 11, 12, 4, 6))
     assert m.summary_ranges == ((0, 0, 3), (0, 4, 6))
-    # sparse rows 4-5 and 6 are in document A (first region 0), row 11 in document B (first region 4)
-    assert m.score_tile_last_first == (0, 0, 4)
 
 
-def test_score_tiles_carry_the_largest_first_region_of_their_sparse_queries() -> None:
+def test_score_tiles_span_the_regions_of_their_sparse_queries() -> None:
     pos_a, pad_a = document_positions([37, 5, 60, 9], 120)
     pos_b, pad_b = document_positions([101, 3], 120)
     pos, pad = torch.stack([pos_a, pos_b]), torch.stack([pad_a, pad_b])
     m = region_metadata(pos, pad, 10, 100, region_size=3, topk=4, tile_size=16)
-    assert len(m.score_tile_last_first) == len(m.score_tiles) > 2
-    for (b, q0, q1, first, _), last_first in zip(
-        m.score_tiles, m.score_tile_last_first, strict=True
-    ):
+    assert len(m.score_tiles) > 2
+    for b, q0, q1, first, past in m.score_tiles:
         sparse = m.sparse_queries[b, q0:q1]
-        assert last_first == int(m.query_first_region[b, q0:q1][sparse].max())
         assert first == int(m.query_first_region[b, q0:q1][sparse].min())
+        assert past == int(m.current[b, q0:q1][sparse].max())
 
 
 def test_causal_and_window_layouts_of_a_shard_cover_its_documents() -> None:

@@ -17,6 +17,7 @@ def indexer_score_tile(
     start: int,
     stop: int,
     *,
+    candidate_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -31,6 +32,9 @@ def indexer_score_tile(
         weights: [batch, queries, groups, heads_per_group] float32 (float64 with float64 query), signed.
         summary: [batch, regions, dim], query's dtype (E4M3-rounded region summaries); last-dim stride 1.
         start, stop: the query rows to score, `0 <= start <= stop <= queries`.
+        candidate_bounds: optional `(first, past)`, int64 [batch, stop − start] each: query `start + i`
+            keeps the scores of regions `first[b, i] <= r < past[b, i]` (indices into `summary`) and
+            gets −inf elsewhere, in the same kernel (no second pass over the scores).
         out: optional float32 [batch, groups, stop − start, regions] contiguous tensor to write into.
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
     Returns:
@@ -38,7 +42,8 @@ def indexer_score_tile(
     Raises:
         TypeError: non-tensors, dtypes other than the above, summary's dtype differs from query's, float64 on Triton.
         ValueError: ranks, batch/queries/groups/heads/dim disagree, start/stop out of range, a last-dim stride is
-            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype/layout, bad backend.
+            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype/layout,
+            `candidate_bounds` not a pair of int64 [batch, stop − start] tensors on query's device, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     fn = "indexer_score_tile"
@@ -85,6 +90,7 @@ def indexer_score_tile(
             f"{fn}: need 0 <= start <= stop <= queries ({queries}); got start={start}, stop={stop}"
         )
     regions = summary.shape[1]
+    candidate_bounds = _checked_bounds(fn, candidate_bounds, (batch, stop - start), query.device)
     chosen = resolve_backend(fn, backend, query, weights, summary)
     out_dtype = (
         torch.float64 if chosen == "reference" and query.dtype == torch.float64 else torch.float32
@@ -93,7 +99,9 @@ def indexer_score_tile(
     check_out(fn, out, shape, out_dtype, query.device)
     if chosen == "reference":
         with torch.no_grad():
-            result = reference.indexer_score_tile(query, weights, summary, start, stop)
+            result = reference.indexer_score_tile(
+                query, weights, summary, start, stop, candidate_bounds
+            )
         if out is None:
             return result
         return out.copy_(result)
@@ -114,4 +122,36 @@ def indexer_score_tile(
 
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=query.device)
-    return triton_kernels.indexer_score_tile(query, weights, summary, start, stop, out)
+    return triton_kernels.indexer_score_tile(
+        query, weights, summary, start, stop, out, candidate_bounds
+    )
+
+
+def _checked_bounds(
+    fn: str,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None,
+    shape: tuple[int, int],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`candidate_bounds` validated, each with query stride 1 (what the kernels index)."""
+    if bounds is None:
+        return None
+    if (
+        not isinstance(bounds, (tuple, list))
+        or len(bounds) != 2
+        or not all(isinstance(t, torch.Tensor) for t in bounds)
+    ):
+        raise ValueError(
+            f"{fn}: candidate_bounds must be a pair of tensors (first, past); got {bounds!r}"
+        )
+    for name, t in zip(("first", "past"), bounds, strict=True):
+        if t.dtype != torch.int64 or tuple(t.shape) != shape or t.device != device:
+            raise ValueError(
+                f"{fn}: candidate_bounds {name} must be int64 {list(shape)} on {device}; "
+                f"got {t.dtype} {list(t.shape)} on {t.device}"
+            )
+    first, past = bounds
+    return (
+        first if first.stride(-1) == 1 else first.contiguous(),
+        past if past.stride(-1) == 1 else past.contiguous(),
+    )

@@ -44,14 +44,25 @@ def _weighted_head_sum_store(
     n_q,
     R,
     G,
+    first_ptr,
+    stop_ptr,
+    sb_b,
     HP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
 ):
-    """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores."""
+    """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores;
+    with HAS_BOUNDS, −inf outside each query's candidate regions `[first, stop)`."""
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if HAS_BOUNDS:
+        q_ok = oq < n_q
+        first = tl.load(first_ptr + b * sb_b + oq, mask=q_ok, other=0)
+        stop = tl.load(stop_ptr + b * sb_b + oq, mask=q_ok, other=0)
+        candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < stop[:, None])
+        score = tl.where(candidate, score, float("-inf"))
     out_rows = out_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * R
     tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
 
@@ -86,6 +97,8 @@ def _indexer_score_kernel(
     w_ptr,
     s_ptr,
     out_ptr,
+    first_ptr,
+    stop_ptr,
     start,
     n_q,
     R,
@@ -102,10 +115,12 @@ def _indexer_score_kernel(
     sw_h,
     ss_b,
     ss_r,
+    sb_b,
     HP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -134,7 +149,24 @@ def _indexer_score_kernel(
         acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
     w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
     _weighted_head_sum_store(
-        acc, w, rs, r_ok, out_ptr, b, g, pid_q, n_q, R, G, HP, BLOCK_Q, BLOCK_R
+        acc,
+        w,
+        rs,
+        r_ok,
+        out_ptr,
+        b,
+        g,
+        pid_q,
+        n_q,
+        R,
+        G,
+        first_ptr,
+        stop_ptr,
+        sb_b,
+        HP,
+        BLOCK_Q,
+        BLOCK_R,
+        HAS_BOUNDS,
     )
 
 
@@ -144,6 +176,8 @@ def _indexer_score_resident_kernel(
     w_ptr,
     s_desc,
     out_ptr,
+    first_ptr,
+    stop_ptr,
     start,
     n_q,
     R,
@@ -161,10 +195,12 @@ def _indexer_score_resident_kernel(
     sw_q,
     sw_g,
     sw_h,
+    sb_b,
     HP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DP: tl.constexpr,
+    HAS_BOUNDS: tl.constexpr,
     STAGES: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -204,7 +240,24 @@ def _indexer_score_resident_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
             _weighted_head_sum_store(
-                acc, w, rs, r_ok, out_ptr, b, g, pid_q, n_q, R, G, HP, BLOCK_Q, BLOCK_R
+                acc,
+                w,
+                rs,
+                r_ok,
+                out_ptr,
+                b,
+                g,
+                pid_q,
+                n_q,
+                R,
+                G,
+                first_ptr,
+                stop_ptr,
+                sb_b,
+                HP,
+                BLOCK_Q,
+                BLOCK_R,
+                HAS_BOUNDS,
             )
         t += r_hi - r_lo
 
@@ -268,9 +321,18 @@ def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
     return TensorDescriptor(summary, [rows, dim], [ss_r, 1], [block_r, dp]), batch_rows
 
 
-def _launch_tiles(query, weights, summary, start, n_q, out, cfg, hp, interpret, precision):
+def _bound_args(bounds, out) -> tuple:
+    """The kernels' `first_ptr, stop_ptr` and batch stride: the bounds, or `out` as an unread placeholder."""
+    if bounds is None:
+        return out, out, 0
+    first, stop = bounds
+    return first, stop, first.stride(0)
+
+
+def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision):
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
+    first, stop, bounds_batch_stride = _bound_args(bounds, out)
     # A program holds whole queries: at least one query's padded heads per block of rows.
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], hp)
     grid = (
@@ -283,6 +345,8 @@ def _launch_tiles(query, weights, summary, start, n_q, out, cfg, hp, interpret, 
         weights,
         summary,
         out,
+        first,
+        stop,
         start,
         n_q,
         regions,
@@ -293,7 +357,9 @@ def _launch_tiles(query, weights, summary, start, n_q, out, cfg, hp, interpret, 
         *weights.stride(),
         summary.stride(0),
         summary.stride(1),
+        bounds_batch_stride,
         HP=hp,
+        HAS_BOUNDS=bounds is not None,
         DOT_FP32=interpret,
         PRECISION=precision,
         **cfg,
@@ -315,7 +381,7 @@ def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
 
 
 def _launch_resident(
-    query, weights, summary, start, n_q, out, cfg, hp, interpret, precision
+    query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
 ) -> bool:
     """Runs the resident kernel, or returns False where TMA cannot address `summary`."""
     batch, _, groups, heads, dim = query.shape
@@ -328,11 +394,14 @@ def _launch_resident(
     desc, batch_rows = _summary_descriptor(summary, block_r, dp)
     if desc is None:
         return False
+    first, stop, bounds_batch_stride = _bound_args(bounds, out)
     _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
         desc,
         out,
+        first,
+        stop,
         start,
         n_q,
         regions,
@@ -344,7 +413,9 @@ def _launch_resident(
         batch_rows,
         *query.stride()[:4],
         *weights.stride(),
+        bounds_batch_stride,
         HP=hp,
+        HAS_BOUNDS=bounds is not None,
         BLOCK_M=block_m,
         BLOCK_R=block_r,
         DP=dp,
@@ -369,10 +440,12 @@ def indexer_score_tile(
     start: int,
     stop: int,
     out: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     _config: dict | None = None,
 ) -> torch.Tensor:
-    """Writes `out` [B, G, stop − start, R]. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
+    """Writes `out` [B, G, stop − start, R]; `bounds` = the public `candidate_bounds` (int64 [B, stop − start]
+    each, query stride 1) or None. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
 
     The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
     cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
@@ -394,10 +467,10 @@ def indexer_score_tile(
     kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
     if resident and _launch_resident(
-        query, weights, summary, start, n_q, out, cfg, hp, interpret, precision
+        query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
     ):
         return out
     if kernel == "resident":
         cfg = dict(_INTERPRET_CONFIG if interpret else _TILES_CONFIG)
-    _launch_tiles(query, weights, summary, start, n_q, out, cfg, hp, interpret, precision)
+    _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision)
     return out

@@ -90,9 +90,6 @@ class RegionMetadata:
         all_padding_key: True when every query of the shard is padding. Nothing is scored; the varlen
             layouts then hold one singleton segment (the shard's first query against its own key
             row) so that a varlen kernel has defined output, which the caller discards (zeros).
-        score_tile_last_first: host ints parallel to `score_tiles`, the largest first region (document
-            start) among each tile's sparse queries; equal to the tile's `first_region` when the tile
-            holds one document. Lets selection mask the document bound only where it can bite.
     """
 
     region_size: int
@@ -119,7 +116,6 @@ class RegionMetadata:
     causal_layout: CausalDocumentLayout | None
     window_layout: CausalDocumentLayout | None
     all_padding_key: bool
-    score_tile_last_first: tuple[int, ...]
 
     @property
     def batch_size(self) -> int:

@@ -161,7 +161,6 @@ def region_metadata(
             chunk_reduce(local, -1, "max"),
             chunk_reduce(query_first_region, big, "min"),
             chunk_reduce(current, -1, "max"),
-            chunk_reduce(query_first_region, -1, "max"),
         ]
     )
 
@@ -216,7 +215,7 @@ def region_metadata(
     first = query_first_region.to(torch.int32).unsqueeze(-1)
     dense_region_ids = torch.where(offsets <= last_offset, first + offsets, count)
 
-    score_tiles, score_tile_last_first = _score_tiles(tile_host, batch, chunks)
+    score_tiles = _score_tiles(tile_host, batch, chunks)
     causal_layout = window_layout = None
     if not any_valid_query:
         causal_layout = window_layout = _singleton_layout(device, query_start)
@@ -252,7 +251,6 @@ def region_metadata(
         causal_layout=causal_layout,
         window_layout=window_layout,
         all_padding_key=not any_valid_query,
-        score_tile_last_first=score_tile_last_first,
     )
 
 
@@ -273,20 +271,15 @@ def _scatter_rows(index: torch.Tensor, values: torch.Tensor, width: int, fill: i
     return out.scatter_(1, index, values)[:, :width]
 
 
-def _score_tiles(
-    host: list[int], batch: int, chunks: int
-) -> tuple[tuple[ScoreTile, ...], tuple[int, ...]]:
-    """The score tiles and, parallel to them, the largest first region of each tile's sparse queries."""
+def _score_tiles(host: list[int], batch: int, chunks: int) -> tuple[ScoreTile, ...]:
+    """The score tiles: per (batch row, chunk) holding a sparse query, its rows and region interval."""
     n = batch * chunks
-    first_q, last_q, first_region, past_region, last_first = (
-        host[i * n : (i + 1) * n] for i in range(5)
+    first_q, last_q, first_region, past_region = (host[i * n : (i + 1) * n] for i in range(4))
+    return tuple(
+        (i // chunks, first_q[i], last_q[i] + 1, first_region[i], past_region[i])
+        for i in range(n)
+        if last_q[i] >= 0
     )
-    tiles, last_firsts = [], []
-    for i in range(n):
-        if last_q[i] >= 0:
-            tiles.append((i // chunks, first_q[i], last_q[i] + 1, first_region[i], past_region[i]))
-            last_firsts.append(last_first[i])
-    return tuple(tiles), tuple(last_firsts)
 
 
 def _varlen_segments(

@@ -97,7 +97,7 @@ def select_regions_tiled(
     mark = _mark if _mark is not None else _no_mark
     out = select_regions_dense(metadata, groups)
     merged = _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes)
-    for tile, last_first in zip(merged, _merged_last_first(metadata, merged), strict=True):
+    for tile in merged:
         b, q0, q1, _, _ = tile
         query, weights = tile_inputs(b, q0, q1)
         mark("project_queries")
@@ -107,7 +107,6 @@ def select_regions_tiled(
             summary[b : b + 1],
             metadata,
             tile,
-            last_first,
             region_chunk,
             method,
             backend,
@@ -139,56 +138,12 @@ def _no_mark(stage: str) -> None:
     return None
 
 
-def _merged_last_first(metadata: RegionMetadata, merged: list[ScoreTile]) -> list[int]:
-    """Per merged tile, the largest first region (document start) of its sparse queries."""
-    tiles, last_first = metadata.score_tiles, metadata.score_tile_last_first
-    out: list[int] = []
-    i = 0
-    for b, _, q1, _, _ in merged:
-        best = -1
-        while i < len(tiles) and tiles[i][0] == b and tiles[i][2] <= q1:
-            best = max(best, last_first[i])
-            i += 1
-        out.append(best)
-    return out
-
-
-def _mask_non_candidates(
-    scores: torch.Tensor,
-    metadata: RegionMetadata,
-    tile: ScoreTile,
-    last_first: int,
-    c0: int,
-    c1: int,
-) -> None:
-    """Set the scores of non-candidate regions of the tile's sparse rows to -inf, in place.
-
-    scores: float32 [G, q1 - q0, c1 - c0], regions `[c0, c1)`. Rows of non-sparse queries are left as
-    they are (their selection is discarded). Only columns where a bound can bite are touched: a sparse
-    query's current region is at least `past_last_region - (q1 - q0)` (a region id grows by at most
-    one per token), and its first region is at most the tile's largest first region `last_first`.
-    """
-    b, q0, q1, _, r1 = tile
-    region = torch.arange(c0, c1, device=scores.device)
-    upper = max(c0, r1 - (q1 - q0))
-    if upper < c1:
-        current = metadata.current[b, q0:q1].view(1, -1, 1)
-        cols = slice(upper - c0, None)
-        scores[..., cols].masked_fill_(region[cols] >= current, float("-inf"))
-    lower = min(c1, last_first)
-    if lower > c0:
-        first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
-        cols = slice(None, lower - c0)
-        scores[..., cols].masked_fill_(region[cols] < first, float("-inf"))
-
-
 def _tile_topk(
     query: torch.Tensor,
     weights: torch.Tensor,
     summary: torch.Tensor,
     metadata: RegionMetadata,
     tile: ScoreTile,
-    last_first: int,
     region_chunk: int,
     method: str,
     backend: str,
@@ -203,20 +158,25 @@ def _tile_topk(
     """
     b, q0, q1, r0, r1 = tile
     topk = metadata.topk
+    first = metadata.query_first_region[b : b + 1, q0:q1]
+    current = metadata.current[b : b + 1, q0:q1]
     best_scores: torch.Tensor | None = None
     best_ids: torch.Tensor | None = None
     for c0 in range(r0, r1, region_chunk):
         c1 = min(c0 + region_chunk, r1)
+        # "threshold": the kernel writes -inf outside each query's candidates [first, current), so
+        # no pass over the scores masks them (rows of non-sparse queries are discarded by the caller)
+        bounds = (first - c0, current - c0) if method == "threshold" else None
         tile_scores = indexer_score_tile(
-            query, weights, summary[:, c0:c1], 0, q1 - q0, backend=backend
+            query, weights, summary[:, c0:c1], 0, q1 - q0, candidate_bounds=bounds, backend=backend
         )
         scores = tile_scores[0]
         region = torch.arange(c0, c1, device=scores.device)
         if method == "composite":
-            first = metadata.query_first_region[b, q0:q1].view(1, -1, 1)
-            current = metadata.current[b, q0:q1].view(1, -1, 1)
             sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
-            candidate = sparse & (region >= first) & (region < current)
+            candidate = (
+                sparse & (region >= first.view(1, -1, 1)) & (region < current.view(1, -1, 1))
+            )
             keys = _composite_keys(scores, region, candidate)
             mark("score")
             if best_scores is not None:
@@ -226,7 +186,6 @@ def _tile_topk(
             best_scores = keys
             mark("topk")
             continue
-        _mask_non_candidates(scores, metadata, tile, last_first, c0, c1)
         mark("score")
         ids = region  # 1-D, broadcast over (group, query) until a running state exists
         if best_scores is not None and best_ids is not None:
