@@ -13,6 +13,7 @@ import torch
 from sa_kernels import indexer_score_tile, stable_topk
 
 from .layouts import RegionMetadata, ScoreTile
+from .sparse_rows import write_sparse_rows
 
 _LOW = 2**32
 _ID_FLIP = 2**31 - 1
@@ -50,7 +51,8 @@ def select_regions(
             (`sa_kernels.stable_topk` on the running candidates, whose ids ascend: a Triton radix
             select on CUDA, two PyTorch top-k passes otherwise) or "composite" (one int64 top-k over
             `(order-preserving score bits << 32) | (2**31 - 1 - id)`).
-        backend: `indexer_score_tile`'s backend.
+        backend: the backend of `indexer_score_tile` and of writing the kept ids ("auto": Triton on
+            CUDA).
     Raises:
         ValueError: shapes disagree with each other or with `metadata`; unknown `method`;
             `region_chunk < 1`.
@@ -101,7 +103,7 @@ def select_regions_tiled(
         b, q0, q1, _, _ = tile
         query, weights = tile_inputs(b, q0, q1)
         mark("project_queries")
-        ids = _tile_topk(
+        kept, offset = _tile_topk(
             query,
             weights,
             summary[b : b + 1],
@@ -113,13 +115,11 @@ def select_regions_tiled(
             mark,
         )
         if method == "composite":
-            ids = torch.sort(ids, dim=-1).values
+            kept = torch.sort(kept, dim=-1).values
         # a sparse row's kept ids ascend and are all below its current region: appending the current
-        # region keeps them ascending, no sort needed (other rows are discarded below)
-        sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
-        current = metadata.current[b, q0:q1].view(1, -1, 1).expand(groups, -1, 1)
-        chosen = torch.cat([ids.to(torch.int32), current.to(torch.int32)], dim=-1)
-        out[b, :, q0:q1] = torch.where(sparse, chosen, out[b, :, q0:q1])
+        # region keeps them ascending, no sort needed (other rows keep their dense ids)
+        current, sparse = metadata.current[b, q0:q1], metadata.sparse_queries[b, q0:q1]
+        write_sparse_rows(out, b, q0, kept, offset, current, sparse, backend=backend)
         mark("merge")
     return out
 
@@ -149,9 +149,10 @@ def _tile_topk(
     backend: str,
     mark: Callable[[str], None] = _no_mark,
 ) -> torch.Tensor:
-    """Running top-k over region chunks of one tile: int64 [G, q1 - q0, topk] region ids, ascending
-    for method "threshold" (`stable_topk` returns ascending positions and the candidates' ids ascend
-    with their position), in any order for "composite".
+    """Running top-k over region chunks of one tile: `(kept, offset)`, where `kept + offset` are the
+    int64 [G, q1 - q0, topk] region ids, ascending for method "threshold" (`stable_topk` returns
+    ascending positions and the candidates' ids ascend with their position), in any order for
+    "composite". `offset` is the chunk's first region when `kept` holds its positions, else 0.
 
     query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch
     row. Ids of rows that are not sparse are meaningless (the caller discards them).
@@ -162,6 +163,7 @@ def _tile_topk(
     current = metadata.current[b : b + 1, q0:q1]
     best_scores: torch.Tensor | None = None
     best_ids: torch.Tensor | None = None
+    offset = 0
     for c0 in range(r0, r1, region_chunk):
         c1 = min(c0 + region_chunk, r1)
         # "threshold": the kernel writes -inf outside each query's candidates [first, current), so
@@ -198,10 +200,14 @@ def _tile_topk(
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
         chosen = stable_topk(scores, topk)
-        # 1-D ids are this chunk's regions, c0 + position; the last chunk's scores are not needed again
-        best_ids = chosen + c0 if ids.dim() == 1 else ids.gather(-1, chosen)
+        # 1-D ids are this chunk's regions, c0 + position: kept as positions, c0 added when written
+        # (on the last chunk; a later chunk needs ids)
+        offset = c0 if ids.dim() == 1 else 0
+        best_ids = chosen if ids.dim() == 1 else ids.gather(-1, chosen)
         best_scores = scores.gather(-1, chosen) if c1 < r1 else None
         mark("topk")
+        if c1 < r1 and offset:
+            best_ids, offset = best_ids + offset, 0
     if method == "composite":
         assert best_scores is not None
         best_ids = _ID_FLIP - (best_scores % _LOW)
@@ -210,7 +216,7 @@ def _tile_topk(
         best_ids = torch.nn.functional.pad(
             best_ids, (0, topk - best_ids.shape[-1]), value=metadata.region_count
         )
-    return best_ids
+    return best_ids, offset
 
 
 def _composite_keys(

@@ -1,0 +1,43 @@
+"""write_sparse_rows: the Triton kernel (interpreted on CPU) against its PyTorch path."""
+
+import pytest
+import torch
+
+from sa_routing.step5.sparse_rows import write_sparse_rows
+
+
+@pytest.mark.parametrize("offset", [0, 37])
+@pytest.mark.parametrize("topk", [1, 5, 8])
+def test_kernel_writes_the_sparse_rows_as_the_pytorch_path_does(topk: int, offset: int) -> None:
+    gen = torch.Generator().manual_seed(topk + offset)
+    groups, queries, n, q0 = 3, 20, 11, 6
+    before = torch.randint(
+        -5, 500, (2, groups, queries, topk + 1), generator=gen, dtype=torch.int32
+    )
+    # kept positions as the selection holds them: a gather's output, here a transposed (strided) view
+    kept = torch.randint(0, 300, (n, groups, topk), generator=gen).transpose(0, 1)
+    assert not kept.is_contiguous()
+    current = torch.randint(300, 400, (n,), generator=gen)
+    sparse = torch.rand(n, generator=gen) < 0.6
+    sparse[0], sparse[-1] = True, False
+    outs = {}
+    for backend in ("reference", "triton"):
+        out = before.clone()
+        write_sparse_rows(out, 1, q0, kept, offset, current, sparse, backend=backend)
+        outs[backend] = out
+    assert torch.equal(outs["triton"], outs["reference"])
+    out = outs["triton"]
+    rows = out[1, :, q0 : q0 + n]
+    assert torch.equal(rows[:, sparse, :topk], (kept[:, sparse] + offset).int())
+    assert torch.equal(rows[:, sparse, topk], current[sparse].int().expand(groups, -1))
+    untouched = torch.ones_like(out, dtype=torch.bool)
+    untouched[1, :, q0 : q0 + n][:, sparse] = False
+    assert torch.equal(out[untouched], before[untouched])
+
+
+def test_an_empty_tile_writes_nothing() -> None:
+    out = torch.zeros(1, 2, 4, 3, dtype=torch.int32)
+    empty = torch.empty(2, 0, 2, dtype=torch.int64)
+    none = torch.empty(0, dtype=torch.int64)
+    write_sparse_rows(out, 0, 4, empty, 3, none, none.bool(), backend="triton")
+    assert not out.any()
