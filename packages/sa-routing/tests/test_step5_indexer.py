@@ -182,6 +182,10 @@ def test_rotary_rotates_half_split_pairs_of_the_leading_dims_only() -> None:
     # pairs (d, d + 4) keep their norm
     pairs = lambda t: (t[..., :4].float() ** 2 + t[..., 4:8].float() ** 2).sqrt()
     torch.testing.assert_close(pairs(out), pairs(x), atol=0.05, rtol=0.02)
+    # in place: the same bits, written into x itself
+    inplace = x.clone()
+    assert rope.rotate_(inplace, positions) is inplace
+    assert torch.equal(inplace, out)
 
 
 def test_summaries_pool_each_region_with_a_softmax_over_its_valid_tokens() -> None:

@@ -77,7 +77,7 @@ class Step5SparseIndexer(nn.Module):
             TypeError, ValueError: as `_check_hidden`.
         """
         self._check_hidden("project_keys", hidden, positions)
-        keys = self.rotary(self.k_norm(self.k_proj(hidden)), positions)
+        keys = self.rotary.rotate_(self.k_norm(self.k_proj(hidden)), positions)
         return keys, self.z_proj(hidden)
 
     @torch.no_grad()
@@ -91,7 +91,7 @@ class Step5SparseIndexer(nn.Module):
         query = self.q_proj(hidden).view(
             *hidden.shape[:2], cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
         )
-        query = self.rotary(self.q_norm(query), positions)
+        query = self.rotary.rotate_(self.q_norm(query), positions)  # the norm's output is ours
         # E4M3 values are exact in BF16: the widening never rounds
         return round_to_e4m3(query).to(torch.bfloat16), self.w_proj(hidden)
 

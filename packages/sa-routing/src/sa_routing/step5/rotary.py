@@ -41,6 +41,10 @@ class Step5IndexerRotaryEmbedding(nn.Module):
         return 1.0 / (self.theta**exponent)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.rotate_(x.clone(), positions)
+
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`forward` in place: only x's first `rope_dim` dims are written (no copy of the others). Returns x."""
         op = "Step5IndexerRotaryEmbedding"
         if not x.is_floating_point():
             raise TypeError(f"{op}: x must be a floating tensor; got {x.dtype}")
@@ -62,5 +66,6 @@ class Step5IndexerRotaryEmbedding(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         x1 = x[..., :half].float()
         x2 = x[..., half : self.rope_dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([rotated, x[..., self.rope_dim :]], dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x[..., : self.rope_dim] = rotated  # rounds to x's dtype, as a cast would
+        return x
