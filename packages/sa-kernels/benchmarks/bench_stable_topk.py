@@ -39,7 +39,10 @@ def _label(config: LaunchConfig, block: int, k: int) -> str:
     maxima = _prefilter_maxima(config, block, k)
     chunk = f"-chunk{max(maxima, config.prefilter_chunk)}" if maxima else ""
     stages = f"-stages{config.prefilter_stages}" if maxima and config.prefilter_stages > 1 else ""
-    return f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}{chunk}{stages}"
+    rows = f"-rows{config.rows_per_program}" if maxima and config.rows_per_program > 1 else ""
+    return (
+        f"tile{config.output_tile}-warps{config.num_warps}-prefilter{maxima}{chunk}{stages}{rows}"
+    )
 
 
 def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
@@ -84,6 +87,12 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
             for warps in (4, 8)
             for chunk in (1024, 2048)
             for stages in (2, 3)
+        ]
+        # several rows per program, each phase vectorised over them
+        configs += [
+            LaunchConfig(warps, tile, 1024, rows_per_program=rows)
+            for warps in (4, 8)
+            for rows in (2, 4)
         ]
         for config in configs:
             if _label(config, block, k) in timings:  # the prefilter does not apply here

@@ -137,18 +137,36 @@ def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
     paths = _prefilter_paths(scores, k, maxima)
     assert set(paths.tolist()) == {0, 1, 2}, paths  # every path runs
     expected = reference.stable_topk(scores, k)
-    # streamed in one chunk or in n / maxima of them; chunk loads pipelined or not
-    for tile, chunk, stages in ((0, 2048, 1), (64, maxima, 1), (64, maxima, 3)):
+    # streamed in one chunk or in n / maxima of them; chunk loads pipelined or not; several rows per
+    # program, whose paths differ (and 7 rows: a last program with rows past the end)
+    for tile, chunk, stages, per_program in (
+        (0, 2048, 1, 1),
+        (64, maxima, 1, 1),
+        (64, maxima, 3, 1),
+        (64, maxima, 3, 2),
+        (0, 2048, 2, 4),
+    ):
         config = LaunchConfig(
-            output_tile=tile, prefilter=maxima, prefilter_chunk=chunk, prefilter_stages=stages
+            output_tile=tile,
+            prefilter=maxima,
+            prefilter_chunk=chunk,
+            prefilter_stages=stages,
+            rows_per_program=per_program,
         )
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
+        if per_program == 4:
+            got = stable_topk_rows(scores[:7], k, _config=config)
+            assert torch.equal(got, expected[:7]), config
 
 
-@pytest.mark.parametrize("stages", [0, 1.5, True])
-def test_launch_config_refuses_a_pipeline_depth_below_one(stages):
-    with pytest.raises(ValueError, match="prefilter_stages"):
-        LaunchConfig(prefilter_stages=stages)
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_launch_config_refuses_a_pipeline_depth_or_row_count_below_one(value):
+    with pytest.raises(ValueError, match="prefilter_stages must be an int >= 1"):
+        LaunchConfig(prefilter_stages=value)
+    with pytest.raises(ValueError, match="rows_per_program must be an int >= 1"):
+        LaunchConfig(rows_per_program=value)
+    with pytest.raises(ValueError, match="rows_per_program must be a power of two; got 3"):
+        LaunchConfig(rows_per_program=3)
 
 
 def test_triton_backend_refuses_rows_longer_than_a_program_holds():
@@ -202,6 +220,8 @@ def test_cuda_triton_rows_equal_the_stable_sort_and_the_torch_path(n, dtype):
     assert torch.equal(got, stable_topk(scores, k, backend="reference"))
     configs = [LaunchConfig(8, 1024, maxima) for maxima in (0, 1024)]
     configs.append(LaunchConfig(4, 2048, 1024, 2048, prefilter_stages=1))  # unpipelined chunk loads
+    configs += [LaunchConfig(4, 2048, 1024, rows_per_program=rows) for rows in (2, 4)]
+    configs.append(LaunchConfig(8, 2048, 1024, rows_per_program=4))
     for config in configs:
         assert torch.equal(stable_topk_rows(scores, k, _config=config), got), config
 

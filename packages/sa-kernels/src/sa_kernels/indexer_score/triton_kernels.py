@@ -44,27 +44,38 @@ def _weighted_head_sum_store(
     n_q,
     R,
     G,
-    first_ptr,
-    stop_ptr,
-    sb_b,
+    first,
+    stop,
     HP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
 ):
     """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores;
-    with HAS_BOUNDS, −inf outside each query's candidate regions `[first, stop)`."""
+    with HAS_BOUNDS, −inf outside each query's candidate regions `[first, stop)` ([BLOCK_Q] each)."""
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
-        q_ok = oq < n_q
-        first = tl.load(first_ptr + b * sb_b + oq, mask=q_ok, other=0)
-        stop = tl.load(stop_ptr + b * sb_b + oq, mask=q_ok, other=0)
         candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < stop[:, None])
         score = tl.where(candidate, score, float("-inf"))
     out_rows = out_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * R
     tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _query_bounds(
+    first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q: tl.constexpr, HAS_BOUNDS: tl.constexpr
+):
+    """The block's candidate bounds `[first, stop)` per query ([BLOCK_Q] int64; zeros without bounds)."""
+    oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if HAS_BOUNDS:
+        first = tl.load(first_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
+        stop = tl.load(stop_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
+    else:
+        first = tl.zeros([BLOCK_Q], dtype=tl.int64)
+        stop = first
+    return first, stop
 
 
 @triton.jit
@@ -148,6 +159,7 @@ def _indexer_score_kernel(
             st = st.to(tl.float32)
         acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
     w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
+    first, stop = _query_bounds(first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
     _weighted_head_sum_store(
         acc,
         w,
@@ -160,9 +172,8 @@ def _indexer_score_kernel(
         n_q,
         R,
         G,
-        first_ptr,
-        stop_ptr,
-        sb_b,
+        first,
+        stop,
         HP,
         BLOCK_Q,
         BLOCK_R,
@@ -229,6 +240,7 @@ def _indexer_score_resident_kernel(
         if DOT_FP32:
             qt = qt.to(tl.float32)
         w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
+        first, stop = _query_bounds(first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
         s_row0 = (b * s_batch_rows).to(tl.int32)
         for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
             rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -251,9 +263,8 @@ def _indexer_score_resident_kernel(
                 n_q,
                 R,
                 G,
-                first_ptr,
-                stop_ptr,
-                sb_b,
+                first,
+                stop,
                 HP,
                 BLOCK_Q,
                 BLOCK_R,

@@ -134,60 +134,144 @@ def _streamed_topk(row_scores, row_out, n, k, TILE: tl.constexpr):
 
 
 @triton.jit
+def _kth_key_rows(keys, k):
+    """`_kth_key` of each row of keys [ROWS, N] at once ([ROWS] results): one block-wide reduction per
+    step serves every row, so a program's walk costs no more steps for ROWS rows than for one."""
+    prefix = tl.zeros([keys.shape[0]], dtype=tl.uint32)
+    done = prefix != 0  # per row: exactly k keys reach its prefix, which stays as it is
+    shift = tl.full([], 31, tl.int32)
+    searching = shift >= 0
+    while searching:
+        candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
+        reaching = tl.sum((keys >= candidate[:, None]).to(tl.int32), axis=1)
+        prefix = tl.where(~done & (reaching >= k), candidate, prefix)
+        done = done | (reaching == k)
+        shift -= 1
+        searching = (shift >= 0) & (tl.min(done.to(tl.int32), axis=0) == 0)
+    return prefix
+
+
+@triton.jit
+def _store_kept_rows(keys, positions, threshold, k, rows_out, rows_ok):
+    """`_store_kept` of each row of keys/positions [ROWS, N] whose `rows_ok` holds; threshold [ROWS]."""
+    above = keys > threshold[:, None]
+    still_needed = k - tl.sum(above.to(tl.int32), axis=1)
+    tied = (keys == threshold[:, None]).to(tl.int32)
+    tied_before = tl.cumsum(tied, axis=1) - tied
+    kept = above | ((tied != 0) & (tied_before < still_needed[:, None]))
+    slot = tl.cumsum(kept.to(tl.int32), axis=1) - 1
+    tl.store(rows_out[:, None] + slot, positions.to(tl.int64), mask=kept & rows_ok[:, None])
+
+
+@triton.jit
+def _prefiltered_rows(
+    scores_ptr,
+    out_ptr,
+    slots_ptr,
+    n_rows,
+    n,
+    k,
+    stride_row,
+    stride_out,
+    ROWS: tl.constexpr,
+    MAXIMA: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PREFILTER_STAGES: tl.constexpr,
+):
+    """The prefilter path for ROWS rows of one program, every phase vectorised over the rows (their
+    loads in flight together, one reduction per walk step for all of them); rows the prefilter leaves
+    tied at the bound or heavily tied above it then take the one-row paths, one at a time."""
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    row = first_row + tl.arange(0, ROWS)
+    rows_ok = row < n_rows
+    row = tl.where(rows_ok, row, first_row)  # past the last row: re-read the first, store nothing
+    rows_scores = scores_ptr + row * stride_row
+    rows_out = out_ptr + row * stride_out
+    rows_slots = slots_ptr + row * (2 * stride_out)
+    # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
+    maxima = tl.zeros([ROWS, MAXIMA], dtype=tl.uint32)
+    for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
+        chunk = start + tl.arange(0, CHUNK)
+        chunk_keys = _order_keys(rows_scores[:, None], chunk[None, :], n)
+        chunk_max = tl.max(tl.reshape(chunk_keys, [ROWS, CHUNK // MAXIMA, MAXIMA]), axis=1)
+        maxima = tl.maximum(maxima, chunk_max)
+    bound = _kth_key_rows(maxima, k)  # >= 1: at least k groups hold a real key, padding keys are 0
+    # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
+    # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
+    # and the count says so.
+    above_bound = tl.zeros([ROWS], dtype=tl.int32)
+    for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
+        chunk = start + tl.arange(0, CHUNK)
+        above = _order_keys(rows_scores[:, None], chunk[None, :], n) > bound[:, None]
+        slot = above_bound[:, None] + tl.cumsum(above.to(tl.int32), axis=1) - 1
+        fits = above & (slot < 2 * k) & rows_ok[:, None]
+        tl.store(
+            rows_slots[:, None] + slot, tl.broadcast_to(chunk[None, :], [ROWS, CHUNK]), mask=fits
+        )
+        above_bound += tl.sum(above.to(tl.int32), axis=1)
+    tl.debug_barrier()  # the compacted positions are visible to every thread of the program
+    # Between k and 2k keys above the bound (k to 1.4·k on normal random rows): walk those keys.
+    narrow = (above_bound >= k) & (above_bound <= 2 * k)
+    j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
+    present = (j[None, :] < above_bound[:, None]) & narrow[:, None]
+    positions = tl.load(rows_slots[:, None] + j[None, :], mask=present, other=0)
+    narrow_keys = tl.where(present, _order_keys(rows_scores[:, None], positions, n), 0)
+    threshold = _kth_key_rows(narrow_keys, k)
+    tl.debug_barrier()  # every slot is read before the output overwrites it
+    _store_kept_rows(narrow_keys, positions, threshold, k, rows_out, narrow & rows_ok)
+    if tl.max((~narrow & rows_ok).to(tl.int32), axis=0) > 0:
+        lane = tl.arange(0, ROWS)
+        for i in range(ROWS):  # a runtime loop: one copy of the one-row paths, not ROWS
+            row_i = first_row + i
+            above_i = tl.sum(tl.where(lane == i, above_bound, 0), axis=0)
+            if (row_i < n_rows) & ((above_i < k) | (above_i > 2 * k)):
+                row_scores = scores_ptr + row_i * stride_row
+                row_out = out_ptr + row_i * stride_out
+                if above_i < k:
+                    # Fewer than k keys above it and at least k reaching it: `bound` is the k-th
+                    # largest key itself (a heavily tied value, e.g. relu-weighted scores at 0).
+                    bound_i = tl.max(tl.where(lane == i, bound, 0), axis=0)
+                    _store_kept_tiles(row_scores, row_out, n, k, bound_i, above_i, CHUNK)
+                else:  # heavy ties above the bound: the walk re-reads the row
+                    _streamed_topk(row_scores, row_out, n, k, CHUNK)
+
+
+@triton.jit
 def _stable_topk_kernel(
     scores_ptr,
     out_ptr,
     slots_ptr,
+    n_rows,
     n,
     k,
     stride_row,
     stride_out,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
     MAXIMA: tl.constexpr,
     CHUNK: tl.constexpr,
     PREFILTER_STAGES: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    row_scores = scores_ptr + row * stride_row
-    row_out = out_ptr + row * stride_out
-    if (
-        MAXIMA > 0
-    ):  # the prefilter, streaming the row in CHUNK-entry tiles (never all of it in registers)
-        # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
-        maxima = tl.zeros([MAXIMA], dtype=tl.uint32)
-        for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
-            chunk_keys = _order_keys(row_scores, start + tl.arange(0, CHUNK), n)
-            chunk_max = tl.max(tl.reshape(chunk_keys, [CHUNK // MAXIMA, MAXIMA]), axis=0)
-            maxima = tl.maximum(maxima, chunk_max)
-        bound = _kth_key(maxima, k)  # >= 1: at least k groups hold a real key, padding keys are 0
-        # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
-        # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
-        # and the count says so.
-        row_slots = slots_ptr + row * (2 * stride_out)
-        above_bound = tl.zeros([], dtype=tl.int32)
-        for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
-            chunk = start + tl.arange(0, CHUNK)
-            above = _order_keys(row_scores, chunk, n) > bound
-            slot = above_bound + tl.cumsum(above.to(tl.int32), axis=0) - 1
-            tl.store(row_slots + slot, chunk, mask=above & (slot < 2 * k))
-            above_bound += tl.sum(above.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the compacted positions are visible to every thread of the program
-        if above_bound < k:
-            # Fewer than k keys above it and at least k reaching it: `bound` is the k-th largest key
-            # itself (rows whose threshold is a heavily tied value, e.g. relu-weighted scores at 0).
-            _store_kept_tiles(row_scores, row_out, n, k, bound, above_bound, CHUNK)
-        elif above_bound <= 2 * k:
-            j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
-            present = j < above_bound
-            positions = tl.load(row_slots + j, mask=present, other=0)
-            narrow_keys = tl.where(present, _order_keys(row_scores, positions, n), 0)
-            threshold = _kth_key(narrow_keys, k)
-            tl.debug_barrier()  # every slot is read before the output overwrites it
-            _store_kept(narrow_keys, positions, threshold, k, row_out)
-        else:
-            _streamed_topk(row_scores, row_out, n, k, CHUNK)
+    if MAXIMA > 0:  # the prefilter, streaming the rows in CHUNK-entry tiles (never a whole row)
+        _prefiltered_rows(
+            scores_ptr,
+            out_ptr,
+            slots_ptr,
+            n_rows,
+            n,
+            k,
+            stride_row,
+            stride_out,
+            ROWS,
+            MAXIMA,
+            CHUNK,
+            PREFILTER_STAGES,
+        )
     else:
+        row = tl.program_id(0).to(tl.int64)
+        row_scores = scores_ptr + row * stride_row
+        row_out = out_ptr + row * stride_out
         offsets = tl.arange(0, BLOCK_N)
         keys = _order_keys(row_scores, offsets, n)
         _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
@@ -212,6 +296,11 @@ class LaunchConfig:
     prefilter_stages: software-pipelining depth of the prefilter's chunk loads (`tl.range`'s
         `num_stages`; 1 = none: each chunk waits for its load). Deeper pipelines compile to cp.async
         loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none).
+    rows_per_program: rows one program narrows together where the prefilter applies (a power of two):
+        their chunk loads are in flight at once and each walk step is one reduction for all of them.
+        Slower than 1 on the H200 at every shape timed (2026-11-30 00:55 UTC, Step-5 rows of 16383
+        entries: 1 row 0.322 ms, 2 rows 0.371, 4 rows 0.483), so the rows are not latency-bound;
+        kept for the sweep on other GPUs.
     """
 
     num_warps: int = 4
@@ -219,22 +308,26 @@ class LaunchConfig:
     prefilter: int = 0
     prefilter_chunk: int = PREFILTER_CHUNK
     prefilter_stages: int = 3
+    rows_per_program: int = 1
 
     def __post_init__(self):
-        stages = self.prefilter_stages
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        for name in ("prefilter_stages", "rows_per_program"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LaunchConfig: {name} must be an int >= 1; got {value!r}")
+        if self.rows_per_program & (self.rows_per_program - 1):
             raise ValueError(
-                f"LaunchConfig: prefilter_stages must be an int >= 1; got {self.prefilter_stages!r}"
+                f"LaunchConfig: rows_per_program must be a power of two; got {self.rows_per_program}"
             )
 
 
 def default_config(block: int, k: int) -> LaunchConfig:
     """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, FP32 rows, k 512):
     4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries, and for blocks of 8192
-    entries or more the prefilter (1024 maxima) reading 1024-entry chunks through a 3-stage pipeline
-    (2026-11-30 00:10 UTC: 32768 entries 0.296 ms, 16384 0.169, 8192 0.189, against 0.390, 0.208, 0.208
-    for the unpipelined 2048-entry chunks of the 2026-11-29 20:31 sweep). 4096 runs the whole-row walk
-    (0.129; the pipelined prefilter 0.128, within noise). A k above half the maxima takes the next power
+    entries or more the prefilter (1024 maxima) reading 1024-entry chunks through a 3-stage pipeline,
+    one row per program (2026-11-30 00:55 UTC, 2048 rows: 32768 entries 0.245 ms, 16384 0.145, 4096
+    rows of 8192 0.166, against 0.390, 0.208, 0.208 for the unpipelined 2048-entry chunks of the
+    2026-11-29 20:31 sweep). 4096 runs the whole-row walk (0.129; the pipelined prefilter 0.128). A k above half the maxima takes the next power
     of two of 2k maxima where the block still holds 4 entries per maximum (not timed), else no
     prefilter."""
     return LaunchConfig(
@@ -269,15 +362,18 @@ def stable_topk_rows(
     block = max(16, triton.next_power_of_2(n))
     config = _config or default_config(block, k)
     maxima = _prefilter_maxima(config, block, k)
-    _stable_topk_kernel[(rows,)](
+    per_program = config.rows_per_program if maxima else 1
+    _stable_topk_kernel[(triton.cdiv(rows, per_program),)](
         scores,
         out,
         out.view(torch.int32),
+        rows,
         n,
         k,
         scores.stride(0),
         out.stride(0),
         BLOCK_N=block,
+        ROWS=per_program,
         OUTPUT_TILE=min(config.output_tile, block),
         MAXIMA=maxima,
         CHUNK=max(maxima, config.prefilter_chunk),
