@@ -259,17 +259,13 @@ def test_errors_name_the_argument_and_the_values():
     with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor"):
         indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 7, 10))
     first = torch.zeros(1, 8, dtype=torch.int64)
-    with pytest.raises(
-        ValueError,
-        match=r"candidate_bounds past must be int64 \[1, 8\] on cpu; got torch.int32 \[1, 8\]",
-    ):
+    with pytest.raises(TypeError, match=r"candidate_bounds past must be int64; got torch.int32"):
         indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first, first.int()))
     with pytest.raises(
-        ValueError,
-        match=r"candidate_bounds first must be int64 \[1, 6\] on cpu; got torch.int64 \[1, 8\]",
+        ValueError, match=r"candidate_bounds first must be \[1, 6\] on cpu; got \[1, 8\] on cpu"
     ):
         indexer_score_tile(query, weights, summary, 2, 8, candidate_bounds=(first, first))
-    with pytest.raises(ValueError, match=r"candidate_bounds must be a pair of tensors"):
+    with pytest.raises(TypeError, match=r"candidate_bounds must be a pair of tensors"):
         indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first,))
     with pytest.raises(ValueError, match=r"last-dim stride 1"):
         indexer_score_tile(

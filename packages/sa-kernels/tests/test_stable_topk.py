@@ -97,7 +97,7 @@ def _emulated_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _emulated_kth_key(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """`_kth_key` per row, early stop included."""
+    """`_kth_key_rows` per row, early stop included."""
     prefix = torch.zeros(len(keys), dtype=torch.int64)
     active = torch.ones(len(keys), dtype=torch.bool)
     for shift in range(31, -1, -1):
@@ -136,9 +136,10 @@ def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
     scores[7] = torch.where(packed, 10 + scores[7], scores[7])
     paths = _prefilter_paths(scores, k, maxima)
     assert set(paths.tolist()) == {0, 1, 2}, paths  # every path runs
+    assert paths[[4, 5, 7]].tolist() == [0, 1, 2], paths  # the rows that lead programs below
     expected = reference.stable_topk(scores, k)
     # streamed in one chunk or in n / maxima of them; chunk loads pipelined or not; several rows per
-    # program, whose paths differ (and 7 rows: a last program with rows past the end)
+    # program, whose paths differ
     for tile, chunk, stages, per_program in (
         (0, 2048, 1, 1),
         (64, maxima, 1, 1),
@@ -154,9 +155,11 @@ def test_prefilter_paths_equal_the_stable_sort(n, k, maxima):
             rows_per_program=per_program,
         )
         assert torch.equal(stable_topk_rows(scores, k, _config=config), expected), config
-        if per_program == 4:
-            got = stable_topk_rows(scores[:7], k, _config=config)
-            assert torch.equal(got, expected[:7]), config
+        if per_program == 4:  # a last program with rows past the end, copies of its first row,
+            # whose path is the tied (row 4), narrowed (row 5) or streamed (row 7) one
+            for rows in (slice(0, 7), slice(1, 8), slice(3, 8)):
+                got = stable_topk_rows(scores[rows], k, _config=config)
+                assert torch.equal(got, expected[rows]), (config, rows)
 
 
 @pytest.mark.parametrize("value", [0, 1.5, True])

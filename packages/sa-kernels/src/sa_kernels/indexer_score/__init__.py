@@ -40,10 +40,11 @@ def indexer_score_tile(
     Returns:
         float32 [batch, groups, stop − start, regions] (float64 on the reference for float64 inputs).
     Raises:
-        TypeError: non-tensors, dtypes other than the above, summary's dtype differs from query's, float64 on Triton.
+        TypeError: non-tensors, dtypes other than the above, summary's dtype differs from query's, float64 on Triton,
+            `candidate_bounds` not a pair of int64 tensors.
         ValueError: ranks, batch/queries/groups/heads/dim disagree, start/stop out of range, a last-dim stride is
             not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype/layout,
-            `candidate_bounds` not a pair of int64 [batch, stop − start] tensors on query's device, bad backend.
+            `candidate_bounds` not [batch, stop − start] on query's device, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     fn = "indexer_score_tile"
@@ -141,14 +142,16 @@ def _checked_bounds(
         or len(bounds) != 2
         or not all(isinstance(t, torch.Tensor) for t in bounds)
     ):
-        raise ValueError(
+        raise TypeError(
             f"{fn}: candidate_bounds must be a pair of tensors (first, past); got {bounds!r}"
         )
     for name, t in zip(("first", "past"), bounds, strict=True):
-        if t.dtype != torch.int64 or tuple(t.shape) != shape or t.device != device:
+        if t.dtype != torch.int64:
+            raise TypeError(f"{fn}: candidate_bounds {name} must be int64; got {t.dtype}")
+        if tuple(t.shape) != shape or t.device != device:
             raise ValueError(
-                f"{fn}: candidate_bounds {name} must be int64 {list(shape)} on {device}; "
-                f"got {t.dtype} {list(t.shape)} on {t.device}"
+                f"{fn}: candidate_bounds {name} must be {list(shape)} on {device}; "
+                f"got {list(t.shape)} on {t.device}"
             )
     first, past = bounds
     return (

@@ -12,7 +12,7 @@ def indexer_score_tile(
     candidate_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query [B, Q, G, H, D], weights [B, Q, G, H], summary [B, R, D] → [B, G, stop − start, R];
-    with `candidate_bounds` (first, stop) int64 [B, stop − start], −inf outside `[first, stop)`."""
+    with `candidate_bounds` (first, past) int64 [B, stop − start], −inf outside `[first, past)`."""
     ct = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query[:, start:stop].to(ct)
     w = weights[:, start:stop].to(ct)

@@ -45,19 +45,19 @@ def _weighted_head_sum_store(
     R,
     G,
     first,
-    stop,
+    past,
     HP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
 ):
     """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores;
-    with HAS_BOUNDS, −inf outside each query's candidate regions `[first, stop)` ([BLOCK_Q] each)."""
+    with HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each)."""
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
-        candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < stop[:, None])
+        candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < past[:, None])
         score = tl.where(candidate, score, float("-inf"))
     out_rows = out_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * R
     tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
@@ -65,17 +65,17 @@ def _weighted_head_sum_store(
 
 @triton.jit
 def _query_bounds(
-    first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q: tl.constexpr, HAS_BOUNDS: tl.constexpr
+    first_ptr, past_ptr, sb_b, b, pid_q, n_q, BLOCK_Q: tl.constexpr, HAS_BOUNDS: tl.constexpr
 ):
-    """The block's candidate bounds `[first, stop)` per query ([BLOCK_Q] int64; zeros without bounds)."""
+    """The block's candidate bounds `[first, past)` per query ([BLOCK_Q] int64; zeros without bounds)."""
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
         first = tl.load(first_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
-        stop = tl.load(stop_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
+        past = tl.load(past_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
     else:
         first = tl.zeros([BLOCK_Q], dtype=tl.int64)
-        stop = first
-    return first, stop
+        past = first
+    return first, past
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def _indexer_score_kernel(
     s_ptr,
     out_ptr,
     first_ptr,
-    stop_ptr,
+    past_ptr,
     start,
     n_q,
     R,
@@ -159,7 +159,7 @@ def _indexer_score_kernel(
             st = st.to(tl.float32)
         acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
     w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
-    first, stop = _query_bounds(first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
+    first, past = _query_bounds(first_ptr, past_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
     _weighted_head_sum_store(
         acc,
         w,
@@ -173,7 +173,7 @@ def _indexer_score_kernel(
         R,
         G,
         first,
-        stop,
+        past,
         HP,
         BLOCK_Q,
         BLOCK_R,
@@ -188,7 +188,7 @@ def _indexer_score_resident_kernel(
     s_desc,
     out_ptr,
     first_ptr,
-    stop_ptr,
+    past_ptr,
     start,
     n_q,
     R,
@@ -240,7 +240,7 @@ def _indexer_score_resident_kernel(
         if DOT_FP32:
             qt = qt.to(tl.float32)
         w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
-        first, stop = _query_bounds(first_ptr, stop_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
+        first, past = _query_bounds(first_ptr, past_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
         s_row0 = (b * s_batch_rows).to(tl.int32)
         for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
             rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -264,7 +264,7 @@ def _indexer_score_resident_kernel(
                 R,
                 G,
                 first,
-                stop,
+                past,
                 HP,
                 BLOCK_Q,
                 BLOCK_R,
@@ -333,17 +333,17 @@ def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
 
 
 def _bound_args(bounds, out) -> tuple:
-    """The kernels' `first_ptr, stop_ptr` and batch stride: the bounds, or `out` as an unread placeholder."""
+    """The kernels' `first_ptr, past_ptr` and batch stride: the bounds, or `out` as an unread placeholder."""
     if bounds is None:
         return out, out, 0
-    first, stop = bounds
-    return first, stop, first.stride(0)
+    first, past = bounds
+    return first, past, first.stride(0)
 
 
 def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision):
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
-    first, stop, bounds_batch_stride = _bound_args(bounds, out)
+    first, past, bounds_batch_stride = _bound_args(bounds, out)
     # A program holds whole queries: at least one query's padded heads per block of rows.
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], hp)
     grid = (
@@ -357,7 +357,7 @@ def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, int
         summary,
         out,
         first,
-        stop,
+        past,
         start,
         n_q,
         regions,
@@ -405,14 +405,14 @@ def _launch_resident(
     desc, batch_rows = _summary_descriptor(summary, block_r, dp)
     if desc is None:
         return False
-    first, stop, bounds_batch_stride = _bound_args(bounds, out)
+    first, past, bounds_batch_stride = _bound_args(bounds, out)
     _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
         desc,
         out,
         first,
-        stop,
+        past,
         start,
         n_q,
         regions,

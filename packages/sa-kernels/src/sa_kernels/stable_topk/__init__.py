@@ -47,9 +47,9 @@ def stable_topk(
 
     Two paths, same result:
     - "triton" (auto on CUDA for float32/bfloat16/float16 rows of at most 32768 entries): one program
-      per row, radix select of the k-th best score then a prefix sum (`triton_kernels`; rows of 8192
-      entries or more are streamed and first narrowed to the scores above a bound from strided group
-      maxima); reads the scores one to three times, no workspace beyond the output.
+      per row (by default), radix select of the k-th best score then a prefix sum (`triton_kernels`;
+      rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
+      strided group maxima); reads the scores one to three times, no workspace beyond the output.
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so

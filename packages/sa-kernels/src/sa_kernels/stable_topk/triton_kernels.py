@@ -1,6 +1,8 @@
 """`stable_topk` for rows that fit one program: radix select on order-preserving keys, then a prefix sum.
 
-One program owns one row. It reads the row as 32-bit keys whose unsigned order is the scores' order (`-0.0` folded into `+0.0`, `-inf` lowest, padding below everything). The k-th best key
+A program owns one row (or, narrowing long rows, `rows_per_program` rows, every phase vectorised over
+them). It reads a row as 32-bit keys whose unsigned order is the scores' order (`-0.0` folded into
+`+0.0`, `-inf` lowest, padding below everything). The k-th best key
 `t` is built bit by bit from the top: a candidate bit stays set when at least k keys reach the
 candidate; the walk stops early once exactly k keys reach the prefix built so far (they are the answer,
 and none ties at it). Then every key above `t` is kept, and of the keys equal to `t` the first
@@ -16,8 +18,8 @@ Short rows (no prefilter) are held in registers and walked whole. Long rows are 
 reach it, so every kept key does), and the keys above `b` are counted and compacted in position order
 into the output row's own memory (2k int32 slots). Fewer than k above `b`: `b` is the k-th largest key
 itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
-4.1–4.7 % of the Step-5 rows at 128k on the H200, docs/benchmarks.md). Between k and 2k (k to 1.4·k on normal random rows): the walk runs
-over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
+4.1–4.7 % of the Step-5 rows at 128k on the H200, docs/benchmarks.md). Between k and 2k (k to 1.4·k
+on normal random rows): the walk runs over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
 Two or three reads of the row (all but the first mostly from L2; one per walk step on the rare
 heavy-tie rows), k writes, no workspace in memory, no host sync.
 """
@@ -42,41 +44,8 @@ def _order_keys(scores_ptr, offsets, n):
 
 
 @triton.jit
-def _kth_key(keys, k):
-    """The k-th largest key, or (early stop) a prefix reached by exactly k keys and tied by none.
-
-    A runtime loop, not an unrolled one: 32 inlined copies of a step over a long row compiled for
-    minutes. (Histograms resolving 2, 4 or 8 bits per step measured slower on the H200 at every row
-    length, 2026-11-29 18:46 UTC, and were dropped.)
-    """
-    prefix = tl.zeros([], dtype=tl.uint32)
-    shift = tl.full([], 31, tl.int32)
-    searching = shift >= 0  # a scalar True; False once exactly k keys reach `prefix`
-    while searching:
-        candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
-        reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-        prefix = tl.where(reaching >= k, candidate, prefix)
-        shift -= 1
-        searching = (shift >= 0) & (reaching != k)
-    return prefix
-
-
-@triton.jit
-def _store_kept(keys, positions, threshold, k, row_out):
-    """Store, ascending, the positions of the keys above `threshold` and of the first keys equal to it,
-    k in all; `keys`/`positions` in position order."""
-    still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
-    above = keys > threshold
-    tied = keys == threshold
-    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
-    kept = above | (tied & (tied_before < still_needed))
-    slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-    tl.store(row_out + slot, positions.to(tl.int64), mask=kept)
-
-
-@triton.jit
 def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: tl.constexpr):
-    """`_store_kept` over the row re-read in tiles, the counts carried between tiles; `above_total` is
+    """`_store_kept_rows` of one row re-read in tiles, the counts carried between tiles; `above_total` is
     the number of keys above `threshold` in the whole row."""
     still_needed = k - above_total
     tied_seen = tl.zeros([], dtype=tl.int32)
@@ -96,10 +65,14 @@ def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: t
 
 @triton.jit
 def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.constexpr):
-    threshold = _kth_key(keys, k)
+    """The row held in registers (keys, offsets [N]): walk it, then store the kept positions."""
+    one_row = tl.full([1], 1, tl.int1)
+    threshold = _kth_key_rows(keys[None, :], k, one_row)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
-        _store_kept(keys, offsets, threshold, k, row_out)
+        rows_out = row_out + tl.zeros([1], dtype=tl.int64)
+        _store_kept_rows(keys[None, :], offsets[None, :], threshold, k, rows_out, one_row)
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
+        threshold = tl.max(threshold, axis=0)
         above_total = tl.sum((keys > threshold).to(tl.int32), axis=0)
         _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, OUTPUT_TILE)
 
@@ -134,11 +107,17 @@ def _streamed_topk(row_scores, row_out, n, k, TILE: tl.constexpr):
 
 
 @triton.jit
-def _kth_key_rows(keys, k):
-    """`_kth_key` of each row of keys [ROWS, N] at once ([ROWS] results): one block-wide reduction per
-    step serves every row, so a program's walk costs no more steps for ROWS rows than for one."""
+def _kth_key_rows(keys, k, active):
+    """Per row of keys [ROWS, N]: the k-th largest key, or (early stop) a prefix reached by exactly k
+    keys and tied by none ([ROWS] uint32). One block-wide reduction per step serves every row; the walk
+    ends once every `active` row has stopped (inactive rows' results are meaningless).
+
+    A runtime loop, not an unrolled one: 32 inlined copies of a step over a long row compiled for
+    minutes. (Histograms resolving 2, 4 or 8 bits per step measured slower on the H200 at every row
+    length, 2026-11-29 18:46 UTC, and were dropped.)
+    """
     prefix = tl.zeros([keys.shape[0]], dtype=tl.uint32)
-    done = prefix != 0  # per row: exactly k keys reach its prefix, which stays as it is
+    done = ~active  # per row: exactly k keys reach its prefix, which stays as it is
     shift = tl.full([], 31, tl.int32)
     searching = shift >= 0
     while searching:
@@ -153,7 +132,9 @@ def _kth_key_rows(keys, k):
 
 @triton.jit
 def _store_kept_rows(keys, positions, threshold, k, rows_out, rows_ok):
-    """`_store_kept` of each row of keys/positions [ROWS, N] whose `rows_ok` holds; threshold [ROWS]."""
+    """Store, ascending, the positions of the keys above `threshold` and of the first keys equal to it,
+    k in all, for each row of keys/positions [ROWS, N] (in position order) whose `rows_ok` holds;
+    threshold [ROWS], rows_out [ROWS] pointers."""
     above = keys > threshold[:, None]
     still_needed = k - tl.sum(above.to(tl.int32), axis=1)
     tied = (keys == threshold[:, None]).to(tl.int32)
@@ -195,7 +176,9 @@ def _prefiltered_rows(
         chunk_keys = _order_keys(rows_scores[:, None], chunk[None, :], n)
         chunk_max = tl.max(tl.reshape(chunk_keys, [ROWS, CHUNK // MAXIMA, MAXIMA]), axis=1)
         maxima = tl.maximum(maxima, chunk_max)
-    bound = _kth_key_rows(maxima, k)  # >= 1: at least k groups hold a real key, padding keys are 0
+    bound = _kth_key_rows(
+        maxima, k, rows_ok
+    )  # >= 1: at least k groups hold a real key, padding keys are 0
     # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
     # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
     # and the count says so.
@@ -211,14 +194,15 @@ def _prefiltered_rows(
         above_bound += tl.sum(above.to(tl.int32), axis=1)
     tl.debug_barrier()  # the compacted positions are visible to every thread of the program
     # Between k and 2k keys above the bound (k to 1.4·k on normal random rows): walk those keys.
-    narrow = (above_bound >= k) & (above_bound <= 2 * k)
-    j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
-    present = (j[None, :] < above_bound[:, None]) & narrow[:, None]
-    positions = tl.load(rows_slots[:, None] + j[None, :], mask=present, other=0)
-    narrow_keys = tl.where(present, _order_keys(rows_scores[:, None], positions, n), 0)
-    threshold = _kth_key_rows(narrow_keys, k)
-    tl.debug_barrier()  # every slot is read before the output overwrites it
-    _store_kept_rows(narrow_keys, positions, threshold, k, rows_out, narrow & rows_ok)
+    narrow = (above_bound >= k) & (above_bound <= 2 * k) & rows_ok
+    if tl.max(narrow.to(tl.int32), axis=0) > 0:
+        j = tl.arange(0, MAXIMA)  # at most 2k <= MAXIMA survivors
+        present = (j[None, :] < above_bound[:, None]) & narrow[:, None]
+        positions = tl.load(rows_slots[:, None] + j[None, :], mask=present, other=0)
+        narrow_keys = tl.where(present, _order_keys(rows_scores[:, None], positions, n), 0)
+        threshold = _kth_key_rows(narrow_keys, k, narrow)
+        tl.debug_barrier()  # every slot is read before the output overwrites it
+        _store_kept_rows(narrow_keys, positions, threshold, k, rows_out, narrow)
     if tl.max((~narrow & rows_ok).to(tl.int32), axis=0) > 0:
         lane = tl.arange(0, ROWS)
         for i in range(ROWS):  # a runtime loop: one copy of the one-row paths, not ROWS
@@ -298,7 +282,7 @@ class LaunchConfig:
         loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none).
     rows_per_program: rows one program narrows together where the prefilter applies (a power of two):
         their chunk loads are in flight at once and each walk step is one reduction for all of them.
-        Slower than 1 on the H200 at every shape timed (2026-11-30 00:55 UTC, Step-5 rows of 16383
+        Slower than 1 on the H200 at every shape timed (2026-11-30 00:38 UTC, Step-5 rows of 16383
         entries: 1 row 0.322 ms, 2 rows 0.371, 4 rows 0.483), so the rows are not latency-bound;
         kept for the sweep on other GPUs.
     """
@@ -325,11 +309,12 @@ def default_config(block: int, k: int) -> LaunchConfig:
     """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, FP32 rows, k 512):
     4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries, and for blocks of 8192
     entries or more the prefilter (1024 maxima) reading 1024-entry chunks through a 3-stage pipeline,
-    one row per program (2026-11-30 00:55 UTC, 2048 rows: 32768 entries 0.245 ms, 16384 0.145, 4096
-    rows of 8192 0.166, against 0.390, 0.208, 0.208 for the unpipelined 2048-entry chunks of the
-    2026-11-29 20:31 sweep). 4096 runs the whole-row walk (0.129; the pipelined prefilter 0.128). A k above half the maxima takes the next power
-    of two of 2k maxima where the block still holds 4 entries per maximum (not timed), else no
-    prefilter."""
+    one row per program. 2026-11-30 00:09 UTC: 2048 rows of 32768 entries 0.296 ms, of 16384 0.169,
+    4096 rows of 8192 0.189, against 0.390, 0.208, 0.208 for the unpipelined 2048-entry chunks in the
+    same call; 00:38 UTC, with the prefilter vectorised over the rows: 0.245, 0.145, 0.166. 4096-entry
+    rows run the whole-row walk (0.129 ms; the pipelined prefilter 0.122 at 00:09 and 0.119 at 00:38,
+    not yet the default). A k above half the maxima takes the next power of two of 2k maxima where
+    the block still holds 4 entries per maximum (not timed), else no prefilter."""
     return LaunchConfig(
         num_warps=4,
         output_tile=2048 if block > 2048 else 0,

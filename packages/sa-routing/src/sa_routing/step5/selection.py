@@ -148,7 +148,7 @@ def _tile_topk(
     method: str,
     backend: str,
     mark: Callable[[str], None] = _no_mark,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """Running top-k over region chunks of one tile: `(kept, offset)`, where `kept + offset` are the
     int64 [G, q1 - q0, topk] region ids, ascending for method "threshold" (`stable_topk` returns
     ascending positions and the candidates' ids ascend with their position), in any order for

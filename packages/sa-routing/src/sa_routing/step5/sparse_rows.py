@@ -3,12 +3,11 @@
 Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, relative to the tile's
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
 ops that is an add, a cast, a concatenation, a select and a copy over the tile (about 4.6 ms of a
-128k forward on the H200, 2026-11-30); the kernel reads the positions once and writes int32 once.
+128k forward on the H200, 2026-11-30); the kernel (`sparse_rows_triton`, imported only where it
+runs) reads the positions once and writes int32 once.
 """
 
 import torch
-import triton
-import triton.language as tl
 
 from sa_kernels.backend import resolve_backend
 
@@ -45,52 +44,6 @@ def write_sparse_rows(
         last = current.to(torch.int32).view(1, n, 1).expand(groups, n, 1)
         rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), rows))
         return
-    _write_sparse_rows_kernel[(groups * n,)](
-        rows,
-        kept,
-        current,
-        sparse,
-        offset,
-        n,
-        topk,
-        *rows.stride()[:3],
-        *kept.stride(),
-        current.stride(0),
-        sparse.stride(0),
-        BLOCK=triton.next_power_of_2(topk + 1),
-    )
+    from .sparse_rows_triton import write_sparse_rows_triton
 
-
-@triton.jit
-def _write_sparse_rows_kernel(
-    rows_ptr,
-    kept_ptr,
-    current_ptr,
-    sparse_ptr,
-    offset,
-    n,
-    topk,
-    so_g,
-    so_q,
-    so_s,
-    sk_g,
-    sk_q,
-    sk_s,
-    s_current,
-    s_sparse,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    g = (pid // n).to(tl.int64)
-    i = (pid % n).to(tl.int64)
-    slot = tl.arange(0, BLOCK)
-    is_sparse = (
-        tl.load(sparse_ptr + i * s_sparse + slot * 0) != 0
-    )  # a vector: the interpreter's masks
-    ids = tl.load(kept_ptr + g * sk_g + i * sk_q + slot * sk_s, mask=slot < topk, other=0) + offset
-    ids = tl.where(slot < topk, ids, tl.load(current_ptr + i * s_current))
-    tl.store(
-        rows_ptr + g * so_g + i * so_q + slot * so_s,
-        ids.to(tl.int32),
-        mask=(slot <= topk) & is_sparse,
-    )
+    write_sparse_rows_triton(rows, kept, offset, current, sparse)
