@@ -64,15 +64,41 @@ def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: t
 
 
 @triton.jit
+def _kth_key(keys, k):
+    """`_kth_key_rows` of one row held as keys [N] (the whole-row path: 1-D, as it was measured)."""
+    prefix = tl.zeros([], dtype=tl.uint32)
+    shift = tl.full([], 31, tl.int32)
+    searching = shift >= 0  # a scalar True; False once exactly k keys reach `prefix`
+    while searching:
+        candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
+        reaching = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        prefix = tl.where(reaching >= k, candidate, prefix)
+        shift -= 1
+        searching = (shift >= 0) & (reaching != k)
+    return prefix
+
+
+@triton.jit
+def _store_kept(keys, positions, threshold, k, row_out):
+    """`_store_kept_rows` of one row held as keys/positions [N]."""
+    still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
+    above = keys > threshold
+    tied = keys == threshold
+    tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
+    kept = above | (tied & (tied_before < still_needed))
+    slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+    tl.store(row_out + slot, positions.to(tl.int64), mask=kept)
+
+
+@triton.jit
 def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.constexpr):
-    """The row held in registers (keys, offsets [N]): walk it, then store the kept positions."""
-    one_row = tl.full([1], 1, tl.int1)
-    threshold = _kth_key_rows(keys[None, :], k, one_row)
+    """The row held in registers (keys, offsets [N]): walk it, then store the kept positions. 1-D
+    helpers here: the [1, N] forms of the row-vectorised ones took 15.3 ms instead of 0.112 for 8192
+    rows of 2048 entries (k 64) on the H200 (2026-11-30 00:56 UTC)."""
+    threshold = _kth_key(keys, k)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
-        rows_out = row_out + tl.zeros([1], dtype=tl.int64)
-        _store_kept_rows(keys[None, :], offsets[None, :], threshold, k, rows_out, one_row)
+        _store_kept(keys, offsets, threshold, k, row_out)
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
-        threshold = tl.max(threshold, axis=0)
         above_total = tl.sum((keys > threshold).to(tl.int32), axis=0)
         _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, OUTPUT_TILE)
 
