@@ -200,14 +200,14 @@ def _tile_topk(
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
         chosen = stable_topk(scores, topk)
-        # 1-D ids are this chunk's regions, c0 + position: kept as positions, c0 added when written
-        # (on the last chunk; a later chunk needs ids)
-        offset = c0 if ids.dim() == 1 else 0
-        best_ids = chosen if ids.dim() == 1 else ids.gather(-1, chosen)
+        # 1-D ids are this chunk's regions, c0 + position; on the last chunk the positions are kept
+        # and c0 is added when they are written, a later chunk needs the ids themselves
+        if ids.dim() == 1 and c1 == r1:
+            best_ids, offset = chosen, c0
+        else:
+            best_ids = chosen + c0 if ids.dim() == 1 else ids.gather(-1, chosen)
         best_scores = scores.gather(-1, chosen) if c1 < r1 else None
         mark("topk")
-        if c1 < r1 and offset:
-            best_ids, offset = best_ids + offset, 0
     if method == "composite":
         assert best_scores is not None
         best_ids = _ID_FLIP - (best_scores % _LOW)
