@@ -1,4 +1,4 @@
-"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then a dq kernel and a dkv kernel.
+"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then a dkv kernel and a dq kernel.
 
 Both recompute the scores from the saved lse (log2 domain, sink included). The dq kernel keeps dq in
 registers; the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
@@ -11,7 +11,13 @@ import triton
 import triton.language as tl
 
 from sa_mla.triton.forward import LOG2E, VALUE_DIM
-from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
+from sa_mla.triton.launch import (
+    LaunchConfig,
+    _launch,
+    dkv_configs,
+    dq_configs,
+    dq_from_ds_configs,
+)
 from sa_mla.triton.unchained import unchained_dot
 
 
@@ -181,6 +187,7 @@ def _sparse_mla_bwd_dkv_kernel(
     LSE2,
     DELTA,
     DKV,
+    DS,
     stride_qt,
     stride_qh,
     stride_kvt,
@@ -188,6 +195,8 @@ def _sparse_mla_bwd_dkv_kernel(
     stride_dot,
     stride_doh,
     stride_dkvt,
+    stride_dst,
+    t0,
     heads,
     keys,
     width,
@@ -201,15 +210,18 @@ def _sparse_mla_bwd_dkv_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
+    STORE_DS: tl.constexpr,
 ):
-    """dkv[id_j] += ds_j^T q (+ p_j^T dO on the value dims), added atomically per slot (FP32).
+    """dkv[id_j] += ds_j^T q (+ p_j^T dO on the value dims), added atomically per slot (FP32), for
+    tokens t0 + program_id(1). With STORE_DS, also writes ds (scale included, in DS's dtype) to
+    DS[t − t0, slot, head] for the dq kernel that reads it back.
 
     Slots are the MMAs' M dimension (transposed scores), and the value dims run in chunks of DC so
     no [BLOCK_K, 512] accumulator has to live in registers.
     """
     DC: tl.constexpr = 64
     hb = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    t = t0 + tl.program_id(1).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_c = tl.arange(0, DC)
@@ -251,6 +263,12 @@ def _sparse_mla_bwd_dkv_kernel(
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
         dst = pt * (dpt - delta[None, :]) * scale
+        if STORE_DS:
+            tl.store(
+                DS + (t - t0) * stride_dst + slots[:, None] * heads + offs_h[None, :],
+                dst.to(DS.dtype.element_ty),
+                mask=(slots < length)[:, None] & hmask[None, :],
+            )
         dkv_row = DKV + ids.to(tl.int64) * stride_dkvt
         for c in tl.static_range(DV // DC):
             q_c = tl.load(q_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
@@ -273,6 +291,74 @@ def _sparse_mla_bwd_dkv_kernel(
             )
 
 
+@triton.jit
+def _sparse_mla_bwd_dq_from_ds_kernel(
+    DS,
+    KV,
+    IDX,
+    TOPK_LEN,
+    LSE2,
+    DQ,
+    stride_dst,
+    stride_kvt,
+    stride_it,
+    stride_dqt,
+    stride_dqh,
+    t0,
+    heads,
+    keys,
+    width,
+    HAS_LEN: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DR: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    UNCHAIN: tl.constexpr,
+):
+    """dq[t, h] = sum_j ds[t, j, h] k_j, with ds as the dkv kernel wrote it (STORE_DS): one MMA per
+    slot block instead of the three (scores, dP, dq) of recomputing ds. Tokens t0 + program_id(1)."""
+    hb = tl.program_id(0)
+    t = t0 + tl.program_id(1).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < heads
+    lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
+    # The dkv kernel skipped the same slots (and whole empty rows): their ds was never written.
+    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    offs_v = tl.arange(0, DV)
+    offs_r = DV + tl.arange(0, DR)
+    idx_row = IDX + t * stride_it
+    ds_rows = DS + (t - t0) * stride_dst + offs_h[None, :]
+    dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
+    for start in range(0, length, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys) & (slots < length)
+        ds_t = tl.load(
+            ds_rows + slots[:, None] * heads,
+            mask=(slots < length)[:, None] & hmask[None, :],
+            other=0.0,
+        )
+        kv_row = KV + ids.to(tl.int64) * stride_kvt
+        k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            ds_t = ds_t.to(tl.float32)
+            k_nope = k_nope.to(tl.float32)
+        ds = tl.trans(ds_t)
+        dq_nope += tl.dot(ds, k_nope)
+        if D_ROPE > 0:
+            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k_rope = k_rope.to(tl.float32)
+            dq_rope += tl.dot(ds, k_rope)
+    dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
+    tl.store(dq_row + offs_v[None, :], dq_nope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+    if D_ROPE > 0:
+        tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
 def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """FP32 [T, H]: sum over the 512 value dims of dout * out (both contiguous [T, H, 512])."""
     tokens, heads, _ = out.shape
@@ -287,6 +373,12 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+# The saved-ds method holds ds for this many bytes' worth of tokens at a time ([tokens, width, heads] in
+# q's dtype): 1024 tokens at width 2048, 128 heads, bf16.
+DS_BUFFER_BYTES = 1 << 29
+DQ_METHODS = ("saved_ds", "recompute")
+
+
 def sparse_mla_backward(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -298,13 +390,20 @@ def sparse_mla_backward(
     delta: torch.Tensor,
     dq_config: LaunchConfig | None = None,
     dkv_config: LaunchConfig | None = None,
+    dq_method: str = "saved_ds",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dq [T, H, D] q.dtype, dkv [T_kv, D] fp32).
 
     lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows);
-    delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. Two kernels: dq (registers), dkv (atomics).
+    delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. The dkv kernel adds every slot's share with
+    atomics. `dq_method` "saved_ds": the dkv kernel also writes ds (at most DS_BUFFER_BYTES of tokens
+    at a time, in q's dtype, which is what the MMAs read anyway) and dq is one MMA over it;
+    "recompute": a dq kernel recomputes the scores and dP (three MMAs) and needs no buffer.
     """
+    if dq_method not in DQ_METHODS:
+        raise ValueError(f"dq_method must be one of {DQ_METHODS}, got {dq_method!r}")
     tokens, heads, head_dim = q.shape
+    width = ids.shape[1]
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if tokens == 0:
@@ -312,61 +411,96 @@ def sparse_mla_backward(
     lse2 = (lse_total * LOG2E).contiguous()
     common = dict(HAS_LEN=topk_length is not None, D_ROPE=head_dim - VALUE_DIM, DR=64, DV=VALUE_DIM)
     lengths = topk_length if topk_length is not None else ids
-    grid_of = lambda c: (triton.cdiv(heads, c.block_h), tokens)
     flags = (heads, head_dim, q.dtype, topk_length is not None)
-    _launch(
-        _sparse_mla_bwd_dq_kernel,
-        None if dq_config is not None else ("dq", *flags),
-        [dq_config] if dq_config is not None else dq_configs(heads),
-        grid_of,
-        q,
-        kv,
-        ids,
-        lengths,
-        dout,
-        lse2,
-        delta,
-        dq,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        ids.stride(0),
-        dout.stride(0),
-        dout.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        heads,
-        kv.shape[0],
-        ids.shape[1],
-        float(softmax_scale),
-        float(softmax_scale) * LOG2E,
-        **common,
-    )
-    _launch(
-        _sparse_mla_bwd_dkv_kernel,
-        None if dkv_config is not None else ("dkv", *flags),
-        [dkv_config] if dkv_config is not None else dkv_configs(heads),
-        grid_of,
-        q,
-        kv,
-        ids,
-        lengths,
-        dout,
-        lse2,
-        delta,
-        dkv,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        ids.stride(0),
-        dout.stride(0),
-        dout.stride(1),
-        dkv.stride(0),
-        heads,
-        kv.shape[0],
-        ids.shape[1],
-        float(softmax_scale),
-        float(softmax_scale) * LOG2E,
-        **common,
-    )
+    saved_ds = dq_method == "saved_ds"
+    chunk = tokens
+    if saved_ds:
+        chunk = max(1, min(tokens, DS_BUFFER_BYTES // max(1, width * heads * q.element_size())))
+    ds = torch.empty(chunk if saved_ds else 0, width, heads, dtype=q.dtype, device=q.device)
+    for t0 in range(0, tokens, chunk):
+        n = min(chunk, tokens - t0)
+        grid_of = lambda c, n=n: (triton.cdiv(heads, c.block_h), n)
+        _launch(
+            _sparse_mla_bwd_dkv_kernel,
+            None if dkv_config is not None else ("dkv", saved_ds, *flags),
+            [dkv_config] if dkv_config is not None else dkv_configs(heads),
+            grid_of,
+            q,
+            kv,
+            ids,
+            lengths,
+            dout,
+            lse2,
+            delta,
+            dkv,
+            ds,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            ids.stride(0),
+            dout.stride(0),
+            dout.stride(1),
+            dkv.stride(0),
+            width * heads,
+            t0,
+            heads,
+            kv.shape[0],
+            width,
+            float(softmax_scale),
+            float(softmax_scale) * LOG2E,
+            STORE_DS=saved_ds,
+            **common,
+        )
+        if saved_ds:
+            _launch(
+                _sparse_mla_bwd_dq_from_ds_kernel,
+                None if dq_config is not None else ("dq_from_ds", *flags),
+                [dq_config] if dq_config is not None else dq_from_ds_configs(heads),
+                grid_of,
+                ds,
+                kv,
+                ids,
+                lengths,
+                lse2,
+                dq,
+                width * heads,
+                kv.stride(0),
+                ids.stride(0),
+                dq.stride(0),
+                dq.stride(1),
+                t0,
+                heads,
+                kv.shape[0],
+                width,
+                **common,
+            )
+    if not saved_ds:
+        _launch(
+            _sparse_mla_bwd_dq_kernel,
+            None if dq_config is not None else ("dq", *flags),
+            [dq_config] if dq_config is not None else dq_configs(heads),
+            lambda c: (triton.cdiv(heads, c.block_h), tokens),
+            q,
+            kv,
+            ids,
+            lengths,
+            dout,
+            lse2,
+            delta,
+            dq,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            ids.stride(0),
+            dout.stride(0),
+            dout.stride(1),
+            dq.stride(0),
+            dq.stride(1),
+            heads,
+            kv.shape[0],
+            width,
+            float(softmax_scale),
+            float(softmax_scale) * LOG2E,
+            **common,
+        )
     return dq, dkv

@@ -45,6 +45,15 @@ def dq_configs(heads: int) -> list[LaunchConfig]:
     return [LaunchConfig(h, 64, 8, 1), LaunchConfig(h, 32, 8, 1), LaunchConfig(16, 32, 4, 1)]
 
 
+def dq_from_ds_configs(heads: int) -> list[LaunchConfig]:
+    """dq = ds · k: one MMA per slot block, whose [BLOCK_H, 576] FP32 accumulator is the only large
+    register tile (144 per thread at 64 heads, 8 warps); two stages of gathered keys (72 KiB each)."""
+    if triton_interpret():
+        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
+    h = _head_block(heads)
+    return [LaunchConfig(h, 64, 8, 2), LaunchConfig(h, 64, 8, 1), LaunchConfig(16, 32, 4, 1)]
+
+
 def dkv_configs(heads: int) -> list[LaunchConfig]:
     if triton_interpret():
         return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
