@@ -81,50 +81,23 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
         (64, 32, 8, 3),
         (64, 32, 8, 4),
     ]
-    dq = {
-        "saved_ds": [
-            (64, 64, 8, 2),
-            (64, 64, 8, 1),
-            (64, 32, 8, 2),
-            (64, 32, 8, 3),
-            (32, 64, 4, 2),
-        ],
-        "recompute": [(64, 64, 8, 1), (64, 32, 8, 1)],
-    }
-    dkv = [
-        (64, 64, 4, 1),
-        (32, 64, 4, 1),
-        (64, 64, 8, 1),
-        (128, 64, 8, 1),
-        (128, 32, 8, 1),
-        (64, 32, 8, 1),
-        (128, 64, 8, 2),
-    ]
-    backward = lambda dq_config, dkv_config, method: sparse_mla_backward(
-        q, kv2, ids2, scale, None, dout, lse_total, delta, dq_config, dkv_config, method
+    # The backward's two kernels are swept one at a time, the other at its default.
+    dq = [(64, 64, 8, 1), (64, 32, 8, 1), (64, 32, 8, 2)]
+    dkv = [(128, 64, 8, 1, 64), (128, 64, 4, 1, 64), (128, 32, 8, 1, 64), (64, 64, 8, 1, 64)]
+    backward = lambda *configs: sparse_mla_backward(
+        q, kv2, ids2, scale, None, dout, lse_total, delta, *configs
     )
     runs = [
         ("fwd", c, 1.0, lambda c: sparse_mla_forward(q, kv2, ids2, scale, None, sink, c))
         for c in fwd
     ]
-    # The dq and dkv kernels are timed separately: the other one gets its default config. Each dq
-    # method's whole backward (dkv included: the saved-ds dkv kernel also writes ds).
-    for method, configs in dq.items():
-        runs += [
-            (f"bwd {method} dq+dkv(default)", c, 2.5, lambda c, m=method: backward(c, None, m))
-            for c in configs
-        ]
-        runs += [
-            (f"bwd {method} dq(default)+dkv", c, 2.5, lambda c, m=method: backward(None, c, m))
-            for c in dkv[:3]
-        ]
-    runs += [
-        ("bwd saved_ds dq(default)+dkv", c, 2.5, lambda c: backward(None, c, "saved_ds"))
-        for c in dkv[3:]
-    ]
+    runs += [("bwd dq", c, 2.5, lambda c: backward(c, None)) for c in dq]
+    runs += [("bwd dkv", c, 2.5, lambda c: backward(None, c)) for c in dkv]
     for label, cfg, factor, fn in runs:
         config = LaunchConfig(*cfg)
-        name = f"  sweep {label} {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}"
+        name = f"  sweep {label} {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}" + (
+            f" d{cfg[4]}" if len(cfg) > 4 else ""
+        )
         try:
             record(name, shape, do_bench(lambda fn=fn, config=config: fn(config)), factor * flops)
         except Exception as error:  # a config may not fit the SM's shared memory; report and go on

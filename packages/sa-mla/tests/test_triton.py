@@ -74,24 +74,22 @@ def test_triton_accepts_int64_ids_and_lengths_and_strided_q():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def _both_dq_methods(p, ds_buffer_bytes, monkeypatch):
-    """(dq, dkv) of each dq method on `p`; the saved-ds buffer holds `ds_buffer_bytes` of tokens."""
+def _backward_in_chunks(p, buffer_bytes, monkeypatch):
+    """(dq, dkv) of the Triton backward on `p` with its score buffers capped at `buffer_bytes`."""
     q, kv, ids = p.q.detach(), p.kv_latent.detach()[:, 0], p.topk_indices[:, 0].contiguous()
     out, lse = sparse_mla_forward(q, kv, ids, p.softmax_scale, p.topk_length, p.attn_sink)
-    dout = torch.randn_like(out)
+    gen = torch.Generator(device=out.device).manual_seed(5)
+    dout = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
     delta = triton_backward.sparse_mla_delta(out, dout)
     lse_total = lse_with_sink(lse, p.attn_sink)
-    monkeypatch.setattr(triton_backward, "DS_BUFFER_BYTES", ds_buffer_bytes)
-    return {
-        method: triton_backward.sparse_mla_backward(
-            q, kv, ids, p.softmax_scale, p.topk_length, dout, lse_total, delta, dq_method=method
-        )
-        for method in triton_backward.DQ_METHODS
-    }
+    monkeypatch.setattr(triton_backward, "SCORE_BUFFER_BYTES", buffer_bytes)
+    return triton_backward.sparse_mla_backward(
+        q, kv, ids, p.softmax_scale, p.topk_length, dout, lse_total, delta
+    )
 
 
-def test_triton_dq_from_saved_ds_equals_recomputed_dq_across_buffer_chunks(monkeypatch):
-    # 2 tokens per ds buffer: chunk edges at odd tokens, empty rows (1, 6) and short rows in chunks.
+def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
+    # 2 tokens per chunk: chunk edges at odd tokens, empty rows (1, 6) and short rows inside chunks.
     p = random_problem(
         7,
         5,
@@ -104,32 +102,12 @@ def test_triton_dq_from_saved_ds_equals_recomputed_dq_across_buffer_chunks(monke
         seed=61,
         requires_grad=False,
     )
-    results = _both_dq_methods(p, ds_buffer_bytes=2 * 19 * 5 * 4, monkeypatch=monkeypatch)
-    (dq_saved, dkv_saved), (dq_recomputed, dkv_recomputed) = (
-        results["saved_ds"],
-        results["recompute"],
-    )
-    assert dq_saved.abs().amax() > 0
-    torch.testing.assert_close(dq_saved, dq_recomputed, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dkv_saved, dkv_recomputed, rtol=1e-5, atol=1e-5)
-    assert torch.all(dq_saved[p.empty_rows] == 0)
-
-
-def test_triton_backward_rejects_an_unknown_dq_method():
-    p = random_problem(2, 2, 512, 8, 4, dtype=torch.float32, requires_grad=False)
-    zeros = torch.zeros(2, 2)
-    with pytest.raises(ValueError, match="dq_method"):
-        triton_backward.sparse_mla_backward(
-            p.q,
-            p.kv_latent[:, 0],
-            p.topk_indices[:, 0],
-            1.0,
-            None,
-            torch.zeros(2, 2, 512),
-            zeros,
-            zeros,
-            dq_method="fused",
-        )
+    dq_chunked, dkv_chunked = _backward_in_chunks(p, 2 * (2 * 19 * 5 * 4), monkeypatch)
+    dq_whole, dkv_whole = _backward_in_chunks(p, 1 << 30, monkeypatch)
+    assert dq_whole.abs().amax() > 0 and dkv_whole.abs().amax() > 0
+    torch.testing.assert_close(dq_chunked, dq_whole, rtol=0, atol=0)
+    torch.testing.assert_close(dkv_chunked, dkv_whole, rtol=1e-5, atol=1e-5)
+    assert torch.all(dq_whole[p.empty_rows] == 0)
 
 
 GPU_CASES = [
@@ -179,7 +157,7 @@ def test_auto_backend_on_cuda_runs_a_fused_or_triton_path_matching_oracle():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])
-def test_triton_gpu_dq_methods_agree_across_buffer_chunks(heads, monkeypatch):
+def test_triton_gpu_backward_in_token_chunks_equals_one_chunk(heads, monkeypatch):
     p = random_problem(
         333,
         heads,
@@ -192,14 +170,11 @@ def test_triton_gpu_dq_methods_agree_across_buffer_chunks(heads, monkeypatch):
         seed=heads + 3,
         requires_grad=False,
     )
-    # 100 tokens per buffer: chunk edges inside the rows, a short last chunk.
-    results = _both_dq_methods(p, ds_buffer_bytes=100 * 700 * heads * 2, monkeypatch=monkeypatch)
-    (dq_saved, dkv_saved), (dq_recomputed, dkv_recomputed) = (
-        results["saved_ds"],
-        results["recompute"],
-    )
-    assert relative_error(dq_saved.float(), dq_recomputed.float()) <= 1e-2
-    assert relative_error(dkv_saved, dkv_recomputed) <= 1e-3
+    # 100 tokens per chunk: chunk edges inside the rows, a short last chunk.
+    dq_chunked, dkv_chunked = _backward_in_chunks(p, 100 * (2 * 700 * heads * 2), monkeypatch)
+    dq_whole, dkv_whole = _backward_in_chunks(p, 1 << 30, monkeypatch)
+    torch.testing.assert_close(dq_chunked, dq_whole, rtol=0, atol=0)
+    assert relative_error(dkv_chunked, dkv_whole) <= 1e-5
 
 
 def test_int64_ids_beyond_int32_are_invalid_not_wrapped():

@@ -33,10 +33,10 @@ _COMPILE = textwrap.dedent(
 
     POINTERS = dict(
         Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32",
-        SINK="*fp32", LSE="*fp32", LSE2="*fp32", DELTA="*fp32",
+        SINK="*fp32", LSE="*fp32", LSE2="*fp32", DELTA="*fp32", P="*bf16", DS="*bf16",
     )
     SCALARS = dict(scale="fp32", scale_log2="fp32")
-    INTS = ("heads", "keys", "width")
+    INTS = ("heads", "keys", "width", "t0")
 
     def mma_layouts(fn, const, num_stages):
         signature = {{}}

@@ -1,23 +1,23 @@
-"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then a dkv kernel and a dq kernel.
+"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then three kernels per chunk of tokens.
 
-Both recompute the scores from the saved lse (log2 domain, sink included). The dq kernel keeps dq in
-registers; the dkv kernel adds every slot's contribution to dkv with FP32 atomics (a key may be named by
-many queries, and twice by one query). Scores are computed transposed ([slots, heads]) so q and dO feed
-the MMAs from shared memory.
+1. probs: recomputes the scores from the saved lse (log2 domain, sink included) and writes
+   p and ds = p * (dP - delta) * scale to two buffers [tokens, width, heads] in q's dtype, which is
+   what the MMAs below read anyway (2 MMAs per slot: scores and dP).
+2. dq = ds · k (1 MMA), the whole dq row block in registers.
+3. dkv[id] += ds^T q + p^T dO (2 MMAs), added with FP32 atomics (a key may be named by many queries,
+   and twice by one query).
+Five MMAs in all, as the FLOP count assumes; recomputing the scores in both a dq and a dkv kernel took
+seven. The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of tokens.
 """
+
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from sa_mla.triton.forward import LOG2E, VALUE_DIM
-from sa_mla.triton.launch import (
-    LaunchConfig,
-    _launch,
-    dkv_configs,
-    dq_configs,
-    dq_from_ds_configs,
-)
+from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
 from sa_mla.triton.unchained import unchained_dot
 
 
@@ -97,6 +97,8 @@ def _sparse_mla_bwd_dq_kernel(
     LSE2,
     DELTA,
     DQ,
+    P,
+    DS,
     stride_qt,
     stride_qh,
     stride_kvt,
@@ -105,6 +107,8 @@ def _sparse_mla_bwd_dq_kernel(
     stride_doh,
     stride_dqt,
     stride_dqh,
+    stride_pt,
+    t0,
     heads,
     keys,
     width,
@@ -119,12 +123,13 @@ def _sparse_mla_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
 ):
-    """dq[t, h] = scale * sum_j p_j (dO . v_j - delta) k_j over the token's valid slots; one program per
-    (head block, token) keeps the whole dq row block in registers. (A variant splitting the value dims
-    across programs was slower on the H200 and failed its gpu test, 2026-11-29; removed.)
+    """dq[t, h] = sum_j ds_j k_j with ds_j = scale * p_j (dO . v_j - delta) over the token's valid
+    slots, for token t = t0 + program_id(1) and one head block, whose whole dq rows stay in
+    registers. Also writes p and ds (in P's dtype, 0 on invalid ids) to P/DS[t − t0, slot, head] for
+    the token's first `length` slots, for the dkv kernel.
     """
     hb = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    t = t0 + tl.program_id(1).to(tl.int64)
     offs_h, hmask, q_nope, q_rope, do, lse2, delta = _load_query_block(
         Q,
         DOUT,
@@ -147,6 +152,7 @@ def _sparse_mla_bwd_dq_kernel(
     offs_v = tl.arange(0, DV)
     offs_r = DV + tl.arange(0, DR)
     idx_row = IDX + t * stride_it
+    tile = (t - t0) * stride_pt + offs_h[None, :]
     dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
     dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
     for start in range(0, length, BLOCK_K):
@@ -157,7 +163,8 @@ def _sparse_mla_bwd_dq_kernel(
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
-        # Scores transposed ([slots, heads]) so q and dO are the MMAs' shared-memory B operands.
+        # Scores transposed ([slots, heads]): q and dO are the MMAs' shared-memory B operands, and
+        # the tiles are already in the layout of P and DS.
         st = unchained_dot(k_nope, q_nope, None, start < length, UNCHAIN, TRANS_B=True)
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
@@ -167,7 +174,12 @@ def _sparse_mla_bwd_dq_kernel(
         pt = tl.exp2(st * scale_log2 - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
         dpt = unchained_dot(k_nope, do, None, start < width, UNCHAIN, TRANS_B=True)
-        ds = tl.trans((pt * (dpt - delta[None, :]) * scale).to(k_nope.dtype))
+        dst = (pt * (dpt - delta[None, :]) * scale).to(P.dtype.element_ty)
+        at = tile + slots[:, None] * heads
+        written = (slots < length)[:, None] & hmask[None, :]
+        tl.store(P + at, pt.to(P.dtype.element_ty), mask=written)
+        tl.store(DS + at, dst, mask=written)
+        ds = tl.trans(dst.to(k_nope.dtype))
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
             dq_rope += tl.dot(ds, k_rope)
@@ -180,183 +192,82 @@ def _sparse_mla_bwd_dq_kernel(
 @triton.jit
 def _sparse_mla_bwd_dkv_kernel(
     Q,
-    KV,
+    DOUT,
     IDX,
     TOPK_LEN,
-    DOUT,
     LSE2,
-    DELTA,
-    DKV,
+    P,
     DS,
+    DKV,
     stride_qt,
     stride_qh,
-    stride_kvt,
     stride_it,
     stride_dot,
     stride_doh,
+    stride_pt,
     stride_dkvt,
-    stride_dst,
     t0,
-    heads,
-    keys,
-    width,
-    scale,
-    scale_log2,
-    HAS_LEN: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    DR: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    UNCHAIN: tl.constexpr,
-    STORE_DS: tl.constexpr,
-):
-    """dkv[id_j] += ds_j^T q (+ p_j^T dO on the value dims), added atomically per slot (FP32), for
-    tokens t0 + program_id(1). With STORE_DS, also writes ds (scale included, in DS's dtype) to
-    DS[t − t0, slot, head] for the dq kernel that reads it back.
-
-    Slots are the MMAs' M dimension (transposed scores), and the value dims run in chunks of DC so
-    no [BLOCK_K, 512] accumulator has to live in registers.
-    """
-    DC: tl.constexpr = 64
-    hb = tl.program_id(0)
-    t = t0 + tl.program_id(1).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < heads
-    offs_c = tl.arange(0, DC)
-    offs_r = DV + tl.arange(0, DR)
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    do_row = DOUT + t * stride_dot + offs_h[:, None] * stride_doh
-    lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
-    delta = tl.load(DELTA + t * heads + offs_h, mask=hmask, other=0.0)
-    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
-    if D_ROPE > 0:
-        q_rope = tl.load(q_row + offs_r[None, :], mask=hmask[:, None], other=0.0)
-        if UPCAST:
-            q_rope = q_rope.to(tl.float32)
-    idx_row = IDX + t * stride_it
-    for start in range(0, length, BLOCK_K):
-        slots = start + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
-        valid = (ids >= 0) & (ids < keys) & (slots < length)
-        kv_row = KV + ids.to(tl.int64) * stride_kvt
-        st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
-        dpt = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
-        for c in tl.static_range(DV // DC):
-            k_c = tl.load(
-                kv_row[:, None] + c * DC + offs_c[None, :], mask=valid[:, None], other=0.0
-            )
-            q_c = tl.load(q_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-            do_c = tl.load(do_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-            if UPCAST:
-                k_c = k_c.to(tl.float32)
-                q_c = q_c.to(tl.float32)
-                do_c = do_c.to(tl.float32)
-            st = unchained_dot(k_c, q_c, st, start < length, UNCHAIN, TRANS_B=True)
-            dpt = unchained_dot(k_c, do_c, dpt, start >= 0, UNCHAIN, TRANS_B=True)
-        if D_ROPE > 0:
-            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k_rope = k_rope.to(tl.float32)
-            st = unchained_dot(k_rope, q_rope, st, start < length, UNCHAIN, TRANS_B=True)
-        pt = tl.exp2(st * scale_log2 - lse2[None, :])
-        pt = tl.where(valid[:, None], pt, 0.0)
-        dst = pt * (dpt - delta[None, :]) * scale
-        if STORE_DS:
-            tl.store(
-                DS + (t - t0) * stride_dst + slots[:, None] * heads + offs_h[None, :],
-                dst.to(DS.dtype.element_ty),
-                mask=(slots < length)[:, None] & hmask[None, :],
-            )
-        dkv_row = DKV + ids.to(tl.int64) * stride_dkvt
-        for c in tl.static_range(DV // DC):
-            q_c = tl.load(q_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-            do_c = tl.load(do_row + c * DC + offs_c[None, :], mask=hmask[:, None], other=0.0)
-            if UPCAST:
-                q_c = q_c.to(tl.float32)
-                do_c = do_c.to(tl.float32)
-            dk_c = unchained_dot(dst.to(q_c.dtype), q_c, None, start < length, UNCHAIN)
-            dk_c = tl.dot(pt.to(do_c.dtype), do_c, dk_c)
-            tl.atomic_add(
-                dkv_row[:, None] + c * DC + offs_c[None, :],
-                dk_c,
-                mask=valid[:, None],
-                sem="relaxed",
-            )
-        if D_ROPE > 0:
-            dk_rope = tl.dot(dst.to(q_rope.dtype), q_rope)
-            tl.atomic_add(
-                dkv_row[:, None] + offs_r[None, :], dk_rope, mask=valid[:, None], sem="relaxed"
-            )
-
-
-@triton.jit
-def _sparse_mla_bwd_dq_from_ds_kernel(
-    DS,
-    KV,
-    IDX,
-    TOPK_LEN,
-    LSE2,
-    DQ,
-    stride_dst,
-    stride_kvt,
-    stride_it,
-    stride_dqt,
-    stride_dqh,
-    t0,
+    d0,
     heads,
     keys,
     width,
     HAS_LEN: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    DR: tl.constexpr,
-    DV: tl.constexpr,
+    WITH_VALUES: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
 ):
-    """dq[t, h] = sum_j ds[t, j, h] k_j, with ds as the dkv kernel wrote it (STORE_DS): one MMA per
-    slot block instead of the three (scores, dP, dq) of recomputing ds. Tokens t0 + program_id(1)."""
-    hb = tl.program_id(0)
-    t = t0 + tl.program_id(1).to(tl.int64)
+    """dkv[id_j, d] += ds_j^T q[:, d] (+ p_j^T dO[:, d] WITH_VALUES) for the BLOCK_D dims
+    d0 + program_id(0) * BLOCK_D + [0, BLOCK_D), added atomically per slot (FP32); head block
+    program_id(1), token t0 + program_id(2). The block's q and dO columns are loaded once and stay in
+    shared memory as the B operands; the slot blocks' p and ds tiles stream through (the dim blocks of
+    one token and head block are neighbours in the grid, so they find those tiles in L2)."""
+    hb = tl.program_id(1)
+    t = t0 + tl.program_id(2).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
-    lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
-    # The dkv kernel skipped the same slots (and whole empty rows): their ds was never written.
-    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
-    offs_v = tl.arange(0, DV)
-    offs_r = DV + tl.arange(0, DR)
-    idx_row = IDX + t * stride_it
-    ds_rows = DS + (t - t0) * stride_dst + offs_h[None, :]
-    dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
-    dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
-    for start in range(0, length, BLOCK_K):
-        slots = start + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
-        valid = (ids >= 0) & (ids < keys) & (slots < length)
-        ds_t = tl.load(
-            ds_rows + slots[:, None] * heads,
-            mask=(slots < length)[:, None] & hmask[None, :],
+    offs_d = d0 + tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    q_part = tl.load(
+        Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q_part = q_part.to(tl.float32)
+    if WITH_VALUES:
+        do_part = tl.load(
+            DOUT + t * stride_dot + offs_h[:, None] * stride_doh + offs_d[None, :],
+            mask=hmask[:, None],
             other=0.0,
         )
-        kv_row = KV + ids.to(tl.int64) * stride_kvt
-        k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            do_part = do_part.to(tl.float32)
+    lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
+    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    idx_row = IDX + t * stride_it
+    tile = (t - t0) * stride_pt + offs_h[None, :]
+    for start in range(0, length, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys) & (slots < length)
+        at = tile + slots[:, None] * heads
+        written = (slots < length)[:, None] & hmask[None, :]
+        ds_t = tl.load(DS + at, mask=written, other=0.0)
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
-            k_nope = k_nope.to(tl.float32)
-        ds = tl.trans(ds_t)
-        dq_nope += tl.dot(ds, k_nope)
-        if D_ROPE > 0:
-            k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
+        if WITH_VALUES:
+            # Unchained: this dot's result is the next one's accumulator.
+            dkv = unchained_dot(ds_t, q_part, None, start < length, UNCHAIN)
+            p_t = tl.load(P + at, mask=written, other=0.0)
             if UPCAST:
-                k_rope = k_rope.to(tl.float32)
-            dq_rope += tl.dot(ds, k_rope)
-    dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
-    tl.store(dq_row + offs_v[None, :], dq_nope.to(DQ.dtype.element_ty), mask=hmask[:, None])
-    if D_ROPE > 0:
-        tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])
+                p_t = p_t.to(tl.float32)
+            dkv = tl.dot(p_t, do_part, dkv)
+        else:
+            dkv = tl.dot(ds_t, q_part)
+        dkv_row = DKV + ids.to(tl.int64) * stride_dkvt
+        tl.atomic_add(dkv_row[:, None] + offs_d[None, :], dkv, mask=valid[:, None], sem="relaxed")
 
 
 def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -373,10 +284,9 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-# The saved-ds method holds ds for this many bytes' worth of tokens at a time ([tokens, width, heads] in
-# q's dtype): 1024 tokens at width 2048, 128 heads, bf16.
-DS_BUFFER_BYTES = 1 << 29
-DQ_METHODS = ("saved_ds", "recompute")
+# The probs kernel's two buffers ([tokens, width, heads] in q's dtype) hold at most this many bytes
+# together; longer inputs run in chunks of tokens (1024 tokens at width 2048, 128 heads, bf16).
+SCORE_BUFFER_BYTES = 1 << 30
 
 
 def sparse_mla_backward(
@@ -390,18 +300,13 @@ def sparse_mla_backward(
     delta: torch.Tensor,
     dq_config: LaunchConfig | None = None,
     dkv_config: LaunchConfig | None = None,
-    dq_method: str = "saved_ds",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dq [T, H, D] q.dtype, dkv [T_kv, D] fp32).
 
     lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows);
-    delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. The dkv kernel adds every slot's share with
-    atomics. `dq_method` "saved_ds": the dkv kernel also writes ds (at most DS_BUFFER_BYTES of tokens
-    at a time, in q's dtype, which is what the MMAs read anyway) and dq is one MMA over it;
-    "recompute": a dq kernel recomputes the scores and dP (three MMAs) and needs no buffer.
+    delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. The configs (tests and sweeps) replace the
+    launch lists of `sa_mla.triton.launch`.
     """
-    if dq_method not in DQ_METHODS:
-        raise ValueError(f"dq_method must be one of {DQ_METHODS}, got {dq_method!r}")
     tokens, heads, head_dim = q.shape
     width = ids.shape[1]
     dq = torch.empty_like(q)
@@ -409,21 +314,30 @@ def sparse_mla_backward(
     if tokens == 0:
         return dq, dkv
     lse2 = (lse_total * LOG2E).contiguous()
-    common = dict(HAS_LEN=topk_length is not None, D_ROPE=head_dim - VALUE_DIM, DR=64, DV=VALUE_DIM)
     lengths = topk_length if topk_length is not None else ids
     flags = (heads, head_dim, q.dtype, topk_length is not None)
-    saved_ds = dq_method == "saved_ds"
-    chunk = tokens
-    if saved_ds:
-        chunk = max(1, min(tokens, DS_BUFFER_BYTES // max(1, width * heads * q.element_size())))
-    ds = torch.empty(chunk if saved_ds else 0, width, heads, dtype=q.dtype, device=q.device)
+    token_bytes = 2 * width * heads * q.element_size()
+    chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // max(1, token_bytes)))
+    p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
+    ds = torch.empty_like(p)
+    stride_pt = width * heads
+
+    has_len = topk_length is not None
+    rope = dict(D_ROPE=head_dim - VALUE_DIM, DR=64, DV=VALUE_DIM)
+
+    def launch(kernel, name, config, default_configs, grid_of, *args, **constexprs):
+        key = None if config is not None else (name, *flags)
+        configs = [config] if config is not None else default_configs(heads)
+        _launch(kernel, key, configs, grid_of, *args, HAS_LEN=has_len, **constexprs)
+
     for t0 in range(0, tokens, chunk):
         n = min(chunk, tokens - t0)
         grid_of = lambda c, n=n: (triton.cdiv(heads, c.block_h), n)
-        _launch(
-            _sparse_mla_bwd_dkv_kernel,
-            None if dkv_config is not None else ("dkv", saved_ds, *flags),
-            [dkv_config] if dkv_config is not None else dkv_configs(heads),
+        launch(
+            _sparse_mla_bwd_dq_kernel,
+            "dq",
+            dq_config,
+            dq_configs,
             grid_of,
             q,
             kv,
@@ -432,62 +346,9 @@ def sparse_mla_backward(
             dout,
             lse2,
             delta,
-            dkv,
-            ds,
-            q.stride(0),
-            q.stride(1),
-            kv.stride(0),
-            ids.stride(0),
-            dout.stride(0),
-            dout.stride(1),
-            dkv.stride(0),
-            width * heads,
-            t0,
-            heads,
-            kv.shape[0],
-            width,
-            float(softmax_scale),
-            float(softmax_scale) * LOG2E,
-            STORE_DS=saved_ds,
-            **common,
-        )
-        if saved_ds:
-            _launch(
-                _sparse_mla_bwd_dq_from_ds_kernel,
-                None if dq_config is not None else ("dq_from_ds", *flags),
-                [dq_config] if dq_config is not None else dq_from_ds_configs(heads),
-                grid_of,
-                ds,
-                kv,
-                ids,
-                lengths,
-                lse2,
-                dq,
-                width * heads,
-                kv.stride(0),
-                ids.stride(0),
-                dq.stride(0),
-                dq.stride(1),
-                t0,
-                heads,
-                kv.shape[0],
-                width,
-                **common,
-            )
-    if not saved_ds:
-        _launch(
-            _sparse_mla_bwd_dq_kernel,
-            None if dq_config is not None else ("dq", *flags),
-            [dq_config] if dq_config is not None else dq_configs(heads),
-            lambda c: (triton.cdiv(heads, c.block_h), tokens),
-            q,
-            kv,
-            ids,
-            lengths,
-            dout,
-            lse2,
-            delta,
             dq,
+            p,
+            ds,
             q.stride(0),
             q.stride(1),
             kv.stride(0),
@@ -496,11 +357,54 @@ def sparse_mla_backward(
             dout.stride(1),
             dq.stride(0),
             dq.stride(1),
+            stride_pt,
+            t0,
             heads,
             kv.shape[0],
             width,
             float(softmax_scale),
             float(softmax_scale) * LOG2E,
-            **common,
+            **rope,
         )
+        # The value dims (ds^T q + p^T dO) in blocks of block_d, then the rope dims (ds^T q).
+        for d0, dims, with_values in (
+            (0, VALUE_DIM, True),
+            (VALUE_DIM, head_dim - VALUE_DIM, False),
+        ):
+            if dims == 0:
+                continue
+            dkv_grid = lambda c, n=n, dims=dims: (
+                triton.cdiv(dims, min(c.block_d, dims)),
+                triton.cdiv(heads, c.block_h),
+                n,
+            )
+            configs = [dkv_config] if dkv_config is not None else dkv_configs(heads)
+            _launch(
+                _sparse_mla_bwd_dkv_kernel,
+                None if dkv_config is not None else ("dkv", with_values, *flags),
+                [replace(c, block_d=min(c.block_d, dims)) for c in configs],
+                dkv_grid,
+                q,
+                dout,
+                ids,
+                lengths,
+                lse2,
+                p,
+                ds,
+                dkv,
+                q.stride(0),
+                q.stride(1),
+                ids.stride(0),
+                dout.stride(0),
+                dout.stride(1),
+                stride_pt,
+                dkv.stride(0),
+                t0,
+                d0,
+                heads,
+                kv.shape[0],
+                width,
+                HAS_LEN=has_len,
+                WITH_VALUES=with_values,
+            )
     return dq, dkv

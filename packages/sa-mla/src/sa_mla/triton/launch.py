@@ -19,6 +19,8 @@ class LaunchConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # Dims per program, for the kernels that split the head dim across programs (the backward's dkv).
+    block_d: int | None = None
 
 
 def _head_block(heads: int) -> int:
@@ -45,22 +47,20 @@ def dq_configs(heads: int) -> list[LaunchConfig]:
     return [LaunchConfig(h, 64, 8, 1), LaunchConfig(h, 32, 8, 1), LaunchConfig(16, 32, 4, 1)]
 
 
-def dq_from_ds_configs(heads: int) -> list[LaunchConfig]:
-    """dq = ds · k: one MMA per slot block, whose [BLOCK_H, 576] FP32 accumulator is the only large
-    register tile (144 per thread at 64 heads, 8 warps); two stages of gathered keys (72 KiB each)."""
-    if triton_interpret():
-        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
-    h = _head_block(heads)
-    return [LaunchConfig(h, 64, 8, 2), LaunchConfig(h, 64, 8, 1), LaunchConfig(16, 32, 4, 1)]
-
-
 def dkv_configs(heads: int) -> list[LaunchConfig]:
+    """dkv += ds^T q + p^T dO in blocks of block_d dims per program: a [BLOCK_K, block_d] FP32
+    accumulator, converted through shared memory for the vectorised atomics, beside the block's q and
+    dO columns (resident in shared memory). Up to 128 heads per program: every head block adds its
+    own share to the same dkv rows, so fewer blocks mean fewer atomics (H200, 2026-11-30: 128 heads
+    × 64 slots × 64 dims took the whole backward from 36.45 to 29.44 ms against 64 heads × 128 dims)."""
     if triton_interpret():
-        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
-    # 64 heads per program: half the atomic adds of 32 heads; the whole backward took 44.7 ms against
-    # 54.2 on the H200 (2026-11-29, docs/benchmarks.md).
-    h = _head_block(heads)
-    return [LaunchConfig(h, 64, 4, 1), LaunchConfig(h, 32, 4, 1), LaunchConfig(16, 32, 4, 1)]
+        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1, 128)]
+    h = max(16, min(128, triton.next_power_of_2(heads)))
+    return [
+        LaunchConfig(h, 64, 8, 1, 64),
+        LaunchConfig(h, 32, 8, 1, 64),
+        LaunchConfig(16, 32, 4, 1, 64),
+    ]
 
 
 _CHOSEN: dict[tuple, LaunchConfig] = {}
@@ -80,6 +80,7 @@ def _launch(
                 **constexprs,
                 BLOCK_H=config.block_h,
                 BLOCK_K=config.block_k,
+                **({} if config.block_d is None else {"BLOCK_D": config.block_d}),
                 UPCAST=triton_interpret(),
                 UNCHAIN=unchain_dots(args[0].device),
                 num_warps=config.num_warps,
