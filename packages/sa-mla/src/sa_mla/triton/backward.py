@@ -152,7 +152,9 @@ def _sparse_mla_bwd_dq_kernel(
     offs_v = tl.arange(0, DV)
     offs_r = DV + tl.arange(0, DR)
     idx_row = IDX + t * stride_it
-    tile = (t - t0) * stride_pt + offs_h[None, :]
+    # This token's [width, heads] tiles of P and DS; 32-bit offsets within them.
+    p_tile = P + (t - t0) * stride_pt
+    ds_tile = DS + (t - t0) * stride_pt
     dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
     dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
     for start in range(0, length, BLOCK_K):
@@ -175,10 +177,10 @@ def _sparse_mla_bwd_dq_kernel(
         pt = tl.where(valid[:, None], pt, 0.0)
         dpt = unchained_dot(k_nope, do, None, start < width, UNCHAIN, TRANS_B=True)
         dst = (pt * (dpt - delta[None, :]) * scale).to(P.dtype.element_ty)
-        at = tile + slots[:, None] * heads
+        at = slots[:, None] * heads + offs_h[None, :]
         written = (slots < length)[:, None] & hmask[None, :]
-        tl.store(P + at, pt.to(P.dtype.element_ty), mask=written)
-        tl.store(DS + at, dst, mask=written)
+        tl.store(p_tile + at, pt.to(P.dtype.element_ty), mask=written)
+        tl.store(ds_tile + at, dst, mask=written)
         ds = tl.trans(dst.to(k_nope.dtype))
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
@@ -247,20 +249,22 @@ def _sparse_mla_bwd_dkv_kernel(
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
     length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
     idx_row = IDX + t * stride_it
-    tile = (t - t0) * stride_pt + offs_h[None, :]
+    # This token's [width, heads] tiles of P and DS; 32-bit offsets within them.
+    p_tile = P + (t - t0) * stride_pt
+    ds_tile = DS + (t - t0) * stride_pt
     for start in range(0, length, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
         valid = (ids >= 0) & (ids < keys) & (slots < length)
-        at = tile + slots[:, None] * heads
+        at = slots[:, None] * heads + offs_h[None, :]
         written = (slots < length)[:, None] & hmask[None, :]
-        ds_t = tl.load(DS + at, mask=written, other=0.0)
+        ds_t = tl.load(ds_tile + at, mask=written, other=0.0)
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
         if WITH_VALUES:
             # Unchained: this dot's result is the next one's accumulator.
             dkv = unchained_dot(ds_t, q_part, None, start < length, UNCHAIN)
-            p_t = tl.load(P + at, mask=written, other=0.0)
+            p_t = tl.load(p_tile + at, mask=written, other=0.0)
             if UPCAST:
                 p_t = p_t.to(tl.float32)
             dkv = tl.dot(p_t, do_part, dkv)
