@@ -82,8 +82,8 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
         (64, 32, 8, 4),
     ]
     # The backward's two kernels are swept one at a time, the other at its default.
-    dq = [(64, 64, 8, 1), (64, 32, 8, 1)]
-    dkv = [(128, 64, 8, 1, 64), (128, 64, 4, 1, 64), (128, 64, 8, 1, 128), (64, 64, 8, 1, 64)]
+    dq = [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)]
+    dkv = [(128, 64, 8, 1, 64), (128, 64, 8, 1, 128)]
     backward = lambda *configs: sparse_mla_backward(
         q, kv2, ids2, scale, None, dout, lse_total, delta, *configs
     )

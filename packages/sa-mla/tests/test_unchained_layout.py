@@ -1,9 +1,10 @@
-"""The 8-warp kernels' score dots keep out of Triton's dot chain (see `sa_mla.triton.unchained`).
+"""The 8-warp kernels' dots keep out of Triton's dot chains (see `sa_mla.triton.unchained`).
 
 Compiled offline for sm_90 (no GPU needed), in a subprocess without TRITON_INTERPRET, which would hand
-the compiler interpreted functions. The check reads the MMA layouts of the compiled kernels: a score dot
-laid out as a chain link has all 8 warps along its 64 rows (`warpsPerCTA = [8, 1]`), which computes every
-score twice on the H200 (docs/benchmarks.md, sixth session).
+the compiler interpreted functions. The check reads the MMA layouts of the compiled kernels: a 64-row
+dot laid out as a chain link has all 8 warps along its rows (`warpsPerCTA = [8, 1]`), which computes
+every product twice on the H200 (docs/benchmarks.md, sixth session); and the forward's gathered key
+tiles must still be loaded by asynchronous copies (the pipelining that the first form of the trick lost).
 """
 
 import json
@@ -28,15 +29,16 @@ _COMPILE = textwrap.dedent(
 
     if "nvidia" not in triton.backends.backends:
         sys.exit({_NO_SM90})
-    from sa_mla.triton.backward import _sparse_mla_bwd_dq_kernel
+    from sa_mla.triton.backward import _sparse_mla_bwd_dkv_kernel, _sparse_mla_bwd_dq_kernel
     from sa_mla.triton.forward import _sparse_mla_fwd_kernel
 
     POINTERS = dict(
         Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32",
         SINK="*fp32", LSE="*fp32", LSE2="*fp32", DELTA="*fp32", P="*bf16", DS="*bf16",
+        DKV="*fp32",
     )
     SCALARS = dict(scale="fp32", scale_log2="fp32")
-    INTS = ("heads", "keys", "width", "t0")
+    INTS = ("heads", "keys", "width", "t0", "d0")
 
     def mma_layouts(fn, const, num_stages):
         signature = {{}}
@@ -54,14 +56,23 @@ _COMPILE = textwrap.dedent(
             target=GPUTarget("cuda", 90, 32),
             options={{"num_warps": 8, "num_stages": num_stages}},
         )
-        return [line for line in kernel.asm["ttgir"].splitlines() if line.startswith("#mma")]
+        ttgir = kernel.asm["ttgir"]
+        return dict(
+            layouts=[line for line in ttgir.splitlines() if line.startswith("#mma")],
+            async_copies=ttgir.count("async_copy_global_to_local"),
+        )
 
     blocks = dict(
         HAS_LEN=False, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False, UNCHAIN=True
     )
+    dkv = dict(
+        HAS_LEN=False, WITH_VALUES=True, BLOCK_H=128, BLOCK_K=64, BLOCK_D=64, UPCAST=False,
+        UNCHAIN=True,
+    )
     print(json.dumps({{
         "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_SINK=True), 3),
         "dq": mma_layouts(_sparse_mla_bwd_dq_kernel, dict(blocks, DR=64), 1),
+        "dkv": mma_layouts(_sparse_mla_bwd_dkv_kernel, dkv, 1),
     }}))
     """
 )
@@ -79,12 +90,16 @@ def compiled_layouts() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["forward", "dq"])
-def test_score_dots_split_the_keys_between_the_warpgroups(compiled_layouts, kernel):
-    layouts = compiled_layouts[kernel]
+@pytest.mark.parametrize("kernel", ["forward", "dq", "dkv"])
+def test_64_row_dots_split_their_columns_between_the_warpgroups(compiled_layouts, kernel):
+    layouts = compiled_layouts[kernel]["layouts"]
     assert layouts, f"no MMA layout in the compiled {kernel} kernel"
     assert all("warpsPerCTA = [8, 1]" not in line for line in layouts), layouts
     assert any("warpsPerCTA = [4, 2]" in line for line in layouts), layouts
+
+
+def test_forward_key_tiles_are_loaded_by_asynchronous_copies(compiled_layouts):
+    assert compiled_layouts["forward"]["async_copies"] > 0
 
 
 @pytest.mark.parametrize(

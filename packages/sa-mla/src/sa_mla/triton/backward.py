@@ -1,13 +1,14 @@
-"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then three kernels per chunk of tokens.
+"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then two kernels per chunk of tokens.
 
-1. probs: recomputes the scores from the saved lse (log2 domain, sink included) and writes
-   p and ds = p * (dP - delta) * scale to two buffers [tokens, width, heads] in q's dtype, which is
-   what the MMAs below read anyway (2 MMAs per slot: scores and dP).
-2. dq = ds · k (1 MMA), the whole dq row block in registers.
-3. dkv[id] += ds^T q + p^T dO (2 MMAs), added with FP32 atomics (a key may be named by many queries,
-   and twice by one query).
-Five MMAs in all, as the FLOP count assumes; recomputing the scores in both a dq and a dkv kernel took
-seven. The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of tokens.
+1. dq: recomputes the scores from the saved lse (log2 domain, sink included) and dP, forms
+   ds = p * (dP - delta) * scale and adds ds · k to the head block's dq rows, kept in registers
+   (3 MMAs per slot). It also writes p and ds to two buffers [tokens, width, heads] in q's dtype,
+   which is what the MMAs read anyway.
+2. dkv[id] += ds^T q + p^T dO (2 MMAs) from those buffers, added with FP32 atomics (a key may be named
+   by many queries, and twice by one query).
+Five MMAs in all, as the FLOP count assumes; the previous design recomputed the scores and dP in its
+dkv kernel too (seven). The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of
+tokens. H200 figures of each step are in docs/benchmarks.md (2026-11-30).
 """
 
 from dataclasses import replace
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from sa_mla.triton.forward import LOG2E, VALUE_DIM
 from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
-from sa_mla.triton.unchained import unchained_dot
+from sa_mla.triton.unchained import chain_break
 
 
 @triton.jit
@@ -166,17 +167,20 @@ def _sparse_mla_bwd_dq_kernel(
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
         # Scores transposed ([slots, heads]): q and dO are the MMAs' shared-memory B operands, and
-        # the tiles are already in the layout of P and DS.
-        st = unchained_dot(k_nope, q_nope, None, start < length, UNCHAIN, TRANS_B=True)
+        # the tiles are already in the layout of P and DS. The rope dot has its own accumulator, as
+        # in the forward kernel.
+        st = tl.dot(k_nope, tl.trans(q_nope)) * scale_log2
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            st = unchained_dot(k_rope, q_rope, st, start >= 0, UNCHAIN, TRANS_B=True)
-        pt = tl.exp2(st * scale_log2 - lse2[None, :])
+            st += tl.dot(k_rope, tl.trans(q_rope)) * scale_log2
+        pt = tl.exp2(st - lse2[None, :])
         pt = tl.where(valid[:, None], pt, 0.0)
-        dpt = unchained_dot(k_nope, do, None, start < width, UNCHAIN, TRANS_B=True)
+        dpt = tl.dot(k_nope, tl.trans(do))
         dst = (pt * (dpt - delta[None, :]) * scale).to(P.dtype.element_ty)
+        # The scores and dP reach the dq dots through ds only (see `chain_break`).
+        dst = chain_break(dst, start < length, UNCHAIN)
         at = slots[:, None] * heads + offs_h[None, :]
         written = (slots < length)[:, None] & hmask[None, :]
         tl.store(p_tile + at, pt.to(P.dtype.element_ty), mask=written)
@@ -262,8 +266,8 @@ def _sparse_mla_bwd_dkv_kernel(
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
         if WITH_VALUES:
-            # Unchained: this dot's result is the next one's accumulator.
-            dkv = unchained_dot(ds_t, q_part, None, start < length, UNCHAIN)
+            # This dot's result is the next one's accumulator: not a chain (see `chain_break`).
+            dkv = chain_break(tl.dot(ds_t, q_part), start < length, UNCHAIN)
             p_t = tl.load(p_tile + at, mask=written, other=0.0)
             if UPCAST:
                 p_t = p_t.to(tl.float32)
@@ -288,7 +292,7 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-# The probs kernel's two buffers ([tokens, width, heads] in q's dtype) hold at most this many bytes
+# The p and ds buffers ([tokens, width, heads] each, in q's dtype) hold at most this many bytes
 # together; longer inputs run in chunks of tokens (1024 tokens at width 2048, 128 heads, bf16).
 SCORE_BUFFER_BYTES = 1 << 30
 

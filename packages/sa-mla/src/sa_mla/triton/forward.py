@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from sa_mla.triton.launch import LaunchConfig, _launch, forward_configs
-from sa_mla.triton.unchained import unchained_dot
+from sa_mla.triton.unchained import chain_break
 
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
@@ -75,18 +75,23 @@ def _sparse_mla_fwd_kernel(
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             k_nope = k_nope.to(tl.float32)
-        s = unchained_dot(q_nope, k_nope, None, start < length, UNCHAIN, TRANS_B=True)
+        # The rope dot has its own accumulator, scaled before the sum: Triton folds `x + dot` into a
+        # dot accumulating onto x, which would chain the two score dots.
+        s = tl.dot(q_nope, tl.trans(k_nope)) * scale_log2
         if D_ROPE > 0:
             k_rope = tl.load(kv_row[:, None] + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
                 k_rope = k_rope.to(tl.float32)
-            s = unchained_dot(q_rope, k_rope, s, start >= 0, UNCHAIN, TRANS_B=True)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            s += tl.dot(q_rope, tl.trans(k_rope)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        # The scores reach the value dot through p and alpha: break both links (see `chain_break`).
+        p = chain_break(p, start < length, UNCHAIN)
+        alpha = chain_break(alpha, start >= 0, UNCHAIN)
         acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
         m_i = m_new
 

@@ -41,6 +41,8 @@ def forward_configs(heads: int) -> list[LaunchConfig]:
 
 
 def dq_configs(heads: int) -> list[LaunchConfig]:
+    """The backward's dq kernel: one stage, as q, dO and a 64-slot key tile fill shared memory (two
+    stages needed 288 KiB on the H200's Triton 3.6)."""
     if triton_interpret():
         return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1)]
     h = _head_block(heads)
