@@ -32,15 +32,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _keys_of(x):
+    """uint32 keys of float32 scores x, whose unsigned order is the scores' order."""
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch.sort
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(x.shape, 0x80000000, tl.uint32)
+    return tl.where((bits & sign) != 0, ~bits, bits | sign)
+
+
+@triton.jit
+def _score_of(keys):
+    """The float32 score of each key (`_keys_of`'s inverse; +0.0 for the key of zero)."""
+    sign = tl.full(keys.shape, 0x80000000, tl.uint32)
+    bits = tl.where((keys & sign) != 0, keys & ~sign, ~keys)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _order_keys(scores_ptr, offsets, n):
     """uint32 keys whose unsigned order is the scores' order; positions at or past n get key 0."""
     in_row = offsets < n
-    x = tl.load(scores_ptr + offsets, mask=in_row, other=0.0).to(tl.float32)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch.sort
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = tl.full(offsets.shape, 0x80000000, tl.uint32)
-    keys = tl.where((bits & sign) != 0, ~bits, bits | sign)
+    keys = _keys_of(tl.load(scores_ptr + offsets, mask=in_row, other=0.0).to(tl.float32))
     return tl.where(in_row, keys, 0)  # -inf maps to 0x007fffff, so padding sorts below every score
+
+
+@triton.jit
+def _load_scores(scores_ptr, offsets, n):
+    """float32 scores, -inf at positions at or past n. For the prefilter, which compares scores
+    themselves: keys cost about eight more instructions per entry, and this kernel is bound by its
+    instructions (ncu on the H200, 2026-11-30: ALU pipe 79 % busy on Step-5 rows)."""
+    return tl.load(scores_ptr + offsets, mask=offsets < n, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
@@ -195,23 +216,25 @@ def _prefiltered_rows(
     rows_scores = scores_ptr + row * stride_row
     rows_out = out_ptr + row * stride_out
     rows_slots = slots_ptr + row * (2 * stride_out)
-    # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups
-    maxima = tl.zeros([ROWS, MAXIMA], dtype=tl.uint32)
+    # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups.
+    # Maxima of the scores, then their keys: the same keys as the maxima of the keys (the order is
+    # the same, and a -0.0 maximum folds into +0.0's key). Every group holds real scores: the launch
+    # narrows only blocks of at least 4·MAXIMA entries, so n > 2·MAXIMA.
+    maxima = tl.full([ROWS, MAXIMA], float("-inf"), dtype=tl.float32)
     for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
         chunk = start + tl.arange(0, CHUNK)
-        chunk_keys = _order_keys(rows_scores[:, None], chunk[None, :], n)
-        chunk_max = tl.max(tl.reshape(chunk_keys, [ROWS, CHUNK // MAXIMA, MAXIMA]), axis=1)
+        chunk_scores = _load_scores(rows_scores[:, None], chunk[None, :], n)
+        chunk_max = tl.max(tl.reshape(chunk_scores, [ROWS, CHUNK // MAXIMA, MAXIMA]), axis=1)
         maxima = tl.maximum(maxima, chunk_max)
-    bound = _kth_key_rows(
-        maxima, k, rows_ok
-    )  # >= 1: at least k groups hold a real key, padding keys are 0
+    bound = _kth_key_rows(_keys_of(maxima), k, rows_ok)
     # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
     # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
-    # and the count says so.
+    # and the count says so. `key > bound` is `score > bound_score` (no NaN, zeros folded).
+    bound_score = _score_of(bound)
     above_bound = tl.zeros([ROWS], dtype=tl.int32)
     for start in tl.range(0, n, CHUNK, num_stages=PREFILTER_STAGES):
         chunk = start + tl.arange(0, CHUNK)
-        above = _order_keys(rows_scores[:, None], chunk[None, :], n) > bound[:, None]
+        above = _load_scores(rows_scores[:, None], chunk[None, :], n) > bound_score[:, None]
         slot = above_bound[:, None] + tl.cumsum(above.to(tl.int32), axis=1) - 1
         fits = above & (slot < 2 * k) & rows_ok[:, None]
         tl.store(
