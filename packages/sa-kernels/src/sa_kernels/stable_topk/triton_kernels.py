@@ -16,7 +16,8 @@ Short rows (no prefilter) are held in registers and walked whole. Long rows are 
 16384-entry row in registers took 255 registers per thread at 4 warps, two programs per SM; streamed,
 96): the maxima of `MAXIMA` strided groups give a bound `b` (the k-th largest maximum; at least k keys
 reach it, so every kept key does), and the keys above `b` are counted and compacted in position order
-into the output row's own memory (2k int32 slots). Fewer than k above `b`: `b` is the k-th largest key
+into the output row's own memory (2k int32 slots). These two passes compare the scores themselves (only
+the maxima become keys): the same order, fewer instructions. Fewer than k above `b`: `b` is the k-th largest key
 itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
 4.1–4.7 % of the Step-5 rows at 128k on the H200, docs/benchmarks.md). Between k and 2k (k to 1.4·k
 on normal random rows): the walk runs over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
