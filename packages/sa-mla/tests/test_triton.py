@@ -88,6 +88,74 @@ def _backward_in_chunks(p, buffer_bytes, monkeypatch):
     )
 
 
+def test_triton_dkv_skips_heads_without_slots_that_a_smaller_dq_head_block_never_wrote(monkeypatch):
+    """dq in 16-head blocks, dkv in 32-head blocks, and heads 0-15 without any slot (sink +inf): the dq
+    program of heads 0-15 writes no p/ds at all, so the dkv program must not read them (the buffers
+    are filled with NaN here, where `torch.empty` would leave whatever memory held)."""
+    from sa_mla.triton.launch import LaunchConfig
+
+    p = random_problem(
+        5, 32, 576, 40, 21, sink=True, dtype=torch.float32, seed=71, requires_grad=False
+    )
+    p.attn_sink[:16] = float("inf")
+    real_empty = torch.empty
+    poisoned = lambda *args, **kwargs: real_empty(*args, **kwargs).fill_(float("nan"))
+    monkeypatch.setattr(triton_backward.torch, "empty", poisoned)
+    q, kv, ids = p.q, p.kv_latent[:, 0], p.topk_indices[:, 0].contiguous()
+    out, lse = sparse_mla_forward(q, kv, ids, p.softmax_scale, None, p.attn_sink)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    delta = triton_backward.sparse_mla_delta(out, dout)
+    lse_total = lse_with_sink(lse, p.attn_sink)
+    grads = {
+        dq_heads: triton_backward.sparse_mla_backward(
+            q,
+            kv,
+            ids,
+            p.softmax_scale,
+            None,
+            dout,
+            lse_total,
+            delta,
+            LaunchConfig(dq_heads, 16, 4, 1),
+            LaunchConfig(32, 16, 4, 1, 32),
+        )
+        for dq_heads in (16, 32)
+    }
+    assert torch.isfinite(grads[16][1]).all() and grads[32][1].abs().amax() > 0
+    torch.testing.assert_close(grads[16][1], grads[32][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[16][0], grads[32][0], rtol=0, atol=0)
+
+
+def test_triton_grids_stay_within_cuda_limits_for_long_sequences(monkeypatch):
+    """Grid y and z stop at 65535: 70 000 tokens (a 1-D grid of programs, never tokens on y or z).
+    Meta tensors, and a launcher that only records the grids."""
+    from sa_mla.triton import forward as triton_forward
+
+    grids = []
+
+    def record(kernel, key, configs, grid_of, *args, **constexprs):
+        grids.append((kernel.fn.__name__, grid_of(configs[0])))
+
+    monkeypatch.setattr(triton_forward, "_launch", record)
+    monkeypatch.setattr(triton_backward, "_launch", record)
+    tokens, heads = 70_000, 128
+    q = torch.empty(tokens, heads, 576, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(65_536, 576, device="meta", dtype=torch.bfloat16)
+    ids = torch.empty(tokens, 2048, device="meta", dtype=torch.int32)
+    stats = torch.empty(tokens, heads, device="meta")
+    out = torch.empty(tokens, heads, 512, device="meta", dtype=torch.bfloat16)
+    triton_forward.sparse_mla_forward(q, kv, ids, 0.1, None, None)
+    triton_backward.sparse_mla_backward(q, kv, ids, 0.1, None, out, stats, stats)
+    names = {name for name, _ in grids}
+    assert {
+        "_sparse_mla_fwd_kernel",
+        "_sparse_mla_bwd_dq_kernel",
+        "_sparse_mla_bwd_dkv_kernel",
+    } <= names
+    for name, grid in grids:
+        assert grid[0] < 2**31 and all(extent <= 65_535 for extent in grid[1:]), (name, grid)
+
+
 def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
     # 2 tokens per chunk: chunk edges at odd tokens, empty rows (1, 6) and short rows inside chunks.
     p = random_problem(

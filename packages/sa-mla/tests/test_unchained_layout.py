@@ -38,7 +38,7 @@ _COMPILE = textwrap.dedent(
         DKV="*fp32",
     )
     SCALARS = dict(scale="fp32", scale_log2="fp32")
-    INTS = ("heads", "keys", "width", "t0", "d0")
+    INTS = ("heads", "keys", "width", "t0", "d0", "dims")
 
     def mma_layouts(fn, const, num_stages):
         signature = {{}}

@@ -125,12 +125,12 @@ def _sparse_mla_bwd_dq_kernel(
     UNCHAIN: tl.constexpr,
 ):
     """dq[t, h] = sum_j ds_j k_j with ds_j = scale * p_j (dO . v_j - delta) over the token's valid
-    slots, for token t = t0 + program_id(1) and one head block, whose whole dq rows stay in
+    slots, for one token (from t0) and one head block, whose whole dq rows stay in
     registers. Also writes p and ds (in P's dtype, 0 on invalid ids) to P/DS[t − t0, slot, head] for
     the token's first `length` slots, for the dkv kernel.
     """
-    hb = tl.program_id(0)
-    t = t0 + tl.program_id(1).to(tl.int64)
+    hb = tl.program_id(0) % tl.cdiv(heads, BLOCK_H)  # 1-D grid, as in the forward kernel
+    t = t0 + (tl.program_id(0) // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
     offs_h, hmask, q_nope, q_rope, do, lse2, delta = _load_query_block(
         Q,
         DOUT,
@@ -214,6 +214,7 @@ def _sparse_mla_bwd_dkv_kernel(
     stride_dkvt,
     t0,
     d0,
+    dims,
     heads,
     keys,
     width,
@@ -226,15 +227,20 @@ def _sparse_mla_bwd_dkv_kernel(
     UNCHAIN: tl.constexpr,
 ):
     """dkv[id_j, d] += ds_j^T q[:, d] (+ p_j^T dO[:, d] WITH_VALUES) for the BLOCK_D dims
-    d0 + program_id(0) * BLOCK_D + [0, BLOCK_D), added atomically per slot (FP32); head block
-    program_id(1), token t0 + program_id(2). The block's q and dO columns are loaded once and stay in
+    d0 + d_block * BLOCK_D + [0, BLOCK_D) of the `dims` from d0, added atomically per slot (FP32),
+    for one head block of one token (from t0). The block's q and dO columns are loaded once and stay in
     shared memory as the B operands; the slot blocks' p and ds tiles stream through (the dim blocks of
     one token and head block are neighbours in the grid, so they find those tiles in L2)."""
-    hb = tl.program_id(1)
-    t = t0 + tl.program_id(2).to(tl.int64)
+    # A 1-D grid: a token's dim blocks, then its head blocks, next to each other. BLOCK_D and
+    # `dims` (512 or 64) are powers of two, BLOCK_D <= dims: the blocks tile the dims exactly.
+    dim_blocks = tl.cdiv(dims, BLOCK_D)
+    d_block = tl.program_id(0) % dim_blocks
+    rest = tl.program_id(0) // dim_blocks
+    hb = rest % tl.cdiv(heads, BLOCK_H)
+    t = t0 + (rest // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
-    offs_d = d0 + tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = d0 + d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     q_part = tl.load(
         Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=hmask[:, None],
@@ -252,6 +258,9 @@ def _sparse_mla_bwd_dkv_kernel(
             do_part = do_part.to(tl.float32)
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
     length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    # Heads with no valid slot have p = ds = 0. Their p and ds are not read: where every head of a
+    # smaller dq head block had none, the dq kernel skipped the token and wrote nothing there.
+    live = hmask & (lse2 != float("inf"))
     idx_row = IDX + t * stride_it
     # This token's [width, heads] tiles of P and DS; 32-bit offsets within them.
     p_tile = P + (t - t0) * stride_pt
@@ -261,7 +270,7 @@ def _sparse_mla_bwd_dkv_kernel(
         ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
         valid = (ids >= 0) & (ids < keys) & (slots < length)
         at = slots[:, None] * heads + offs_h[None, :]
-        written = (slots < length)[:, None] & hmask[None, :]
+        written = (slots < length)[:, None] & live[None, :]
         ds_t = tl.load(ds_tile + at, mask=written, other=0.0)
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
@@ -325,7 +334,9 @@ def sparse_mla_backward(
     lengths = topk_length if topk_length is not None else ids
     flags = (heads, head_dim, q.dtype, topk_length is not None)
     token_bytes = 2 * width * heads * q.element_size()
-    chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // max(1, token_bytes)))
+    # At most 2**20 tokens per chunk keeps the 1-D grids (at most 9 dim blocks per head block and
+    # token) far below CUDA's 2**31 - 1 programs.
+    chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // max(1, token_bytes), 1 << 20))
     p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     stride_pt = width * heads
@@ -340,7 +351,7 @@ def sparse_mla_backward(
 
     for t0 in range(0, tokens, chunk):
         n = min(chunk, tokens - t0)
-        grid_of = lambda c, n=n: (triton.cdiv(heads, c.block_h), n)
+        grid_of = lambda c, n=n: (triton.cdiv(heads, c.block_h) * n,)
         launch(
             _sparse_mla_bwd_dq_kernel,
             "dq",
@@ -382,15 +393,15 @@ def sparse_mla_backward(
             if dims == 0:
                 continue
             dkv_grid = lambda c, n=n, dims=dims: (
-                triton.cdiv(dims, min(c.block_d, dims)),
-                triton.cdiv(heads, c.block_h),
-                n,
+                triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
             )
             configs = [dkv_config] if dkv_config is not None else dkv_configs(heads)
+            # block_d: the config's (64 where it names none), at most the dims of this launch.
+            configs = [replace(c, block_d=min(c.block_d or 64, dims)) for c in configs]
             _launch(
                 _sparse_mla_bwd_dkv_kernel,
                 None if dkv_config is not None else ("dkv", with_values, *flags),
-                [replace(c, block_d=min(c.block_d, dims)) for c in configs],
+                configs,
                 dkv_grid,
                 q,
                 dout,
@@ -409,6 +420,7 @@ def sparse_mla_backward(
                 dkv.stride(0),
                 t0,
                 d0,
+                dims,
                 heads,
                 kv.shape[0],
                 width,

@@ -45,8 +45,10 @@ def _sparse_mla_fwd_kernel(
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
 ):
-    hb = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    # A 1-D grid, a token's head blocks next to each other (they gather the same keys): grid y and
+    # z stop at 65535, fewer than the tokens of a long sequence.
+    hb = tl.program_id(0) % tl.cdiv(heads, BLOCK_H)
+    t = (tl.program_id(0) // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_v = tl.arange(0, DV)
@@ -135,7 +137,7 @@ def sparse_mla_forward(
         _sparse_mla_fwd_kernel,
         key,
         configs,
-        lambda c: (triton.cdiv(heads, c.block_h), tokens),
+        lambda c: (triton.cdiv(heads, c.block_h) * tokens,),
         q,
         kv,
         ids,

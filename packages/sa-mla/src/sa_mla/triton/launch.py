@@ -82,7 +82,7 @@ def _launch(
                 **constexprs,
                 BLOCK_H=config.block_h,
                 BLOCK_K=config.block_k,
-                **({} if config.block_d is None else {"BLOCK_D": config.block_d}),
+                **({"BLOCK_D": config.block_d} if "BLOCK_D" in kernel.arg_names else {}),
                 UPCAST=triton_interpret(),
                 UNCHAIN=unchain_dots(args[0].device),
                 num_warps=config.num_warps,
