@@ -342,22 +342,13 @@ def sparse_mla_backward(
     stride_pt = width * heads
 
     has_len = topk_length is not None
-    rope = dict(D_ROPE=head_dim - VALUE_DIM, DR=64, DV=VALUE_DIM)
-
-    def launch(kernel, name, config, default_configs, grid_of, *args, **constexprs):
-        key = None if config is not None else (name, *flags)
-        configs = [config] if config is not None else default_configs(heads)
-        _launch(kernel, key, configs, grid_of, *args, HAS_LEN=has_len, **constexprs)
-
     for t0 in range(0, tokens, chunk):
         n = min(chunk, tokens - t0)
-        grid_of = lambda c, n=n: (triton.cdiv(heads, c.block_h) * n,)
-        launch(
+        _launch(
             _sparse_mla_bwd_dq_kernel,
-            "dq",
-            dq_config,
-            dq_configs,
-            grid_of,
+            None if dq_config is not None else ("dq", *flags),
+            [dq_config] if dq_config is not None else dq_configs(heads),
+            lambda c, n=n: (triton.cdiv(heads, c.block_h) * n,),
             q,
             kv,
             ids,
@@ -383,7 +374,10 @@ def sparse_mla_backward(
             width,
             float(softmax_scale),
             float(softmax_scale) * LOG2E,
-            **rope,
+            HAS_LEN=has_len,
+            D_ROPE=head_dim - VALUE_DIM,
+            DR=64,
+            DV=VALUE_DIM,
         )
         # The value dims (ds^T q + p^T dO) in blocks of block_d, then the rope dims (ds^T q).
         for d0, dims, with_values in (
