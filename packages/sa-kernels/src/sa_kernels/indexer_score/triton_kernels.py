@@ -19,7 +19,7 @@ because which one runs depends on a call's size; at D 104 they differed by about
 A third, "heads" (only through `_config`: `HEADS_CONFIGS`, for sweeps), walks tiles as "resident" does but
 runs one dot per head with M = the block's queries (at most 4 heads per group), so the head sum is an
 elementwise FMA instead of a reduction across lanes: offline it issues about 1.0 warp instruction per
-output against 2.4 for "resident" (docs/benchmarks.md, 2026-11-30), at ptxas spills of 0.6–1 KB. Not
+output against 2.4 for "resident" (docs/benchmarks.md, 2026-11-30), at ptxas spills of 0.6–0.9 KB. Not
 yet timed on a GPU, and its bits differ (heads summed in order), so it is no default.
 """
 
@@ -210,6 +210,18 @@ def _indexer_score_kernel(
     )
 
 
+@triton.jit
+def _segment(t, t_end, n_r, n_m, G):
+    """The (batch·group, query block) segment holding tile t of a run ending at t_end, in
+    (batch·group, query block, region block) order: its region blocks [r_lo, r_hi) within the run,
+    its query block, batch and group."""
+    row = t // n_r
+    r_lo = t - row * n_r
+    r_hi = tl.minimum(n_r, r_lo + (t_end - t))
+    bg = row // n_m
+    return r_lo, r_hi, row % n_m, (bg // G).to(tl.int64), (bg % G).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["start", "n_tiles", "tiles_per_program", "s_batch_rows"])
 def _indexer_score_resident_kernel(
     q_ptr,
@@ -255,13 +267,7 @@ def _indexer_score_resident_kernel(
     # One segment per (batch·group, query block) this program's run of tiles touches: load the query rows and
     # weights once, then stream the segment's region blocks.
     while t < t_end:
-        row = t // n_r
-        r_lo = t - row * n_r
-        r_hi = tl.minimum(n_r, r_lo + (t_end - t))
-        pid_q = row % n_m
-        bg = row // n_m
-        b = (bg // G).to(tl.int64)
-        g = (bg % G).to(tl.int64)
+        r_lo, r_hi, pid_q, b, g = _segment(t, t_end, n_r, n_m, G)
         q_rows, q_pos, h, row_ok = _query_rows(
             q_ptr, b, g, pid_q, start, n_q, H, sq_b, sq_q, sq_g, sq_h, HP, BLOCK_M
         )
@@ -303,35 +309,16 @@ def _indexer_score_resident_kernel(
 
 
 @triton.jit
-def _head_tile(
-    q_ptr,
-    w_ptr,
-    b,
-    g,
-    q_pos,
-    q_ok,
-    h,
-    H,
-    d,
-    d_ok,
-    sq_b,
-    sq_q,
-    sq_g,
-    sq_h,
-    sw_b,
-    sw_q,
-    sw_g,
-    sw_h,
-    DOT_FP32,
-):
-    """One head's query rows [BLOCK_Q, DP] and weights [BLOCK_Q] (zeros for a padded head)."""
+def _head_tile(q_rows, w_rows, h, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32: tl.constexpr):
+    """Head h's query rows [BLOCK_Q, DP] and weights [BLOCK_Q] (zeros for a padded head), from the
+    block's head-0 row pointers q_rows and w_rows ([BLOCK_Q] each)."""
     ok = q_ok & (tl.full(q_ok.shape, h, tl.int32) < H)
-    rows = q_ptr + b * sq_b + q_pos * sq_q + g * sq_g + h * sq_h
-    qt = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    qt = tl.load(
+        q_rows[:, None] + h * sq_h + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
+    )
     if DOT_FP32:
         qt = qt.to(tl.float32)
-    w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=ok, other=0.0)
-    return qt, w
+    return qt, tl.load(w_rows + h * sw_h, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -384,102 +371,18 @@ def _indexer_score_heads_kernel(
     d = tl.arange(0, DP)
     d_ok = d < D
     while t < t_end:
-        row = t // n_r
-        r_lo = t - row * n_r
-        r_hi = tl.minimum(n_r, r_lo + (t_end - t))
-        pid_q = row % n_m
-        bg = row // n_m
-        b = (bg // G).to(tl.int64)
-        g = (bg % G).to(tl.int64)
+        r_lo, r_hi, pid_q, b, g = _segment(t, t_end, n_r, n_m, G)
         qi = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
         q_ok = qi < n_q
         q_pos = (start + qi).to(tl.int64)
-        q0, w0 = _head_tile(
-            q_ptr,
-            w_ptr,
-            b,
-            g,
-            q_pos,
-            q_ok,
-            0,
-            H,
-            d,
-            d_ok,
-            sq_b,
-            sq_q,
-            sq_g,
-            sq_h,
-            sw_b,
-            sw_q,
-            sw_g,
-            sw_h,
-            DOT_FP32,
-        )
+        q_rows = q_ptr + b * sq_b + q_pos * sq_q + g * sq_g
+        w_rows = w_ptr + b * sw_b + q_pos * sw_q + g * sw_g
+        q0, w0 = _head_tile(q_rows, w_rows, 0, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
         if HP > 1:
-            q1, w1 = _head_tile(
-                q_ptr,
-                w_ptr,
-                b,
-                g,
-                q_pos,
-                q_ok,
-                1,
-                H,
-                d,
-                d_ok,
-                sq_b,
-                sq_q,
-                sq_g,
-                sq_h,
-                sw_b,
-                sw_q,
-                sw_g,
-                sw_h,
-                DOT_FP32,
-            )
+            q1, w1 = _head_tile(q_rows, w_rows, 1, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
         if HP > 2:
-            q2, w2 = _head_tile(
-                q_ptr,
-                w_ptr,
-                b,
-                g,
-                q_pos,
-                q_ok,
-                2,
-                H,
-                d,
-                d_ok,
-                sq_b,
-                sq_q,
-                sq_g,
-                sq_h,
-                sw_b,
-                sw_q,
-                sw_g,
-                sw_h,
-                DOT_FP32,
-            )
-            q3, w3 = _head_tile(
-                q_ptr,
-                w_ptr,
-                b,
-                g,
-                q_pos,
-                q_ok,
-                3,
-                H,
-                d,
-                d_ok,
-                sq_b,
-                sq_q,
-                sq_g,
-                sq_h,
-                sw_b,
-                sw_q,
-                sw_g,
-                sw_h,
-                DOT_FP32,
-            )
+            q2, w2 = _head_tile(q_rows, w_rows, 2, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
+            q3, w3 = _head_tile(q_rows, w_rows, 3, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
         first, past = _query_bounds(first_ptr, past_ptr, sb_b, b, pid_q, n_q, BLOCK_Q, HAS_BOUNDS)
         s_row0 = (b * s_batch_rows).to(tl.int32)
         for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
@@ -639,22 +542,31 @@ def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
     return _sm_count(query.device.index) * cfg.get("PER_SM", 1)
 
 
-def _launch_resident(
-    query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
+def _launch_walking(
+    kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
 ) -> bool:
-    """Runs the resident kernel, or returns False where TMA cannot address `summary`."""
+    """Runs a kernel that walks runs of tiles ("resident", or "heads" with `cfg["BLOCK_Q"]` queries
+    per block), or returns False where TMA cannot address `summary`."""
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
-    block_m = max(cfg["BLOCK_M"], hp)
+    if kernel == "heads":
+        fn, block_q, blocks = (
+            _indexer_score_heads_kernel,
+            cfg["BLOCK_Q"],
+            {"BLOCK_Q": cfg["BLOCK_Q"]},
+        )
+    else:
+        block_m = max(cfg["BLOCK_M"], hp)
+        fn, block_q, blocks = _indexer_score_resident_kernel, block_m // hp, {"BLOCK_M": block_m}
     block_r = cfg["BLOCK_R"]
     dp = max(16, triton.next_power_of_2(dim))
-    n_tiles = batch * groups * triton.cdiv(n_q, block_m // hp) * triton.cdiv(regions, block_r)
+    n_tiles = batch * groups * triton.cdiv(n_q, block_q) * triton.cdiv(regions, block_r)
     tiles_per_program = triton.cdiv(n_tiles, _programs(query, cfg, interpret))
     desc, batch_rows = _summary_descriptor(summary, block_r, dp)
     if desc is None:
         return False
     first, past, bounds_batch_stride = _bound_args(bounds, out)
-    _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
+    fn[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
         desc,
@@ -675,7 +587,6 @@ def _launch_resident(
         bounds_batch_stride,
         HP=hp,
         HAS_BOUNDS=bounds is not None,
-        BLOCK_M=block_m,
         BLOCK_R=block_r,
         DP=dp,
         STAGES=cfg["num_stages"],
@@ -683,53 +594,7 @@ def _launch_resident(
         PRECISION=precision,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-    )
-    return True
-
-
-def _launch_heads(
-    query, weights, summary, start, n_q, out, bounds, cfg, interpret, precision
-) -> bool:
-    """Runs the one-dot-per-head kernel, or returns False where TMA cannot address `summary`."""
-    batch, _, groups, heads, dim = query.shape
-    regions = summary.shape[1]
-    block_q, block_r = cfg["BLOCK_Q"], cfg["BLOCK_R"]
-    dp = max(16, triton.next_power_of_2(dim))
-    n_tiles = batch * groups * triton.cdiv(n_q, block_q) * triton.cdiv(regions, block_r)
-    tiles_per_program = triton.cdiv(n_tiles, _programs(query, cfg, interpret))
-    desc, batch_rows = _summary_descriptor(summary, block_r, dp)
-    if desc is None:
-        return False
-    first, past, bounds_batch_stride = _bound_args(bounds, out)
-    _indexer_score_heads_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
-        query,
-        weights,
-        desc,
-        out,
-        first,
-        past,
-        start,
-        n_q,
-        regions,
-        dim,
-        heads,
-        groups,
-        n_tiles,
-        tiles_per_program,
-        batch_rows,
-        *query.stride()[:4],
-        *weights.stride(),
-        bounds_batch_stride,
-        HP=triton.next_power_of_2(heads),
-        HAS_BOUNDS=bounds is not None,
-        BLOCK_Q=block_q,
-        BLOCK_R=block_r,
-        DP=dp,
-        STAGES=cfg["num_stages"],
-        DOT_FP32=interpret,
-        PRECISION=precision,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **blocks,
     )
     return True
 
@@ -773,16 +638,16 @@ def indexer_score_tile(
     kernel = cfg.pop("KERNEL", "tiles")
     # The heads kernel holds at most 4 heads' query tiles (shared memory); elsewhere the default runs.
     heads_run = kernel == "heads" and hp <= 4 and _resident_runs(query, interpret)
-    if heads_run and _launch_heads(
-        query, weights, summary, start, n_q, out, bounds, cfg, interpret, precision
+    if heads_run and _launch_walking(
+        kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
     ):
         return out
     if kernel == "heads":
         cfg = dict(_INTERPRET_CONFIG if interpret else DEFAULT_CONFIG)
         kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
-    if resident and _launch_resident(
-        query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
+    if resident and _launch_walking(
+        kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
     ):
         return out
     if kernel == "resident":
