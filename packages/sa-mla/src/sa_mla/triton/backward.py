@@ -331,8 +331,9 @@ def sparse_mla_backward(
     if tokens == 0:
         return dq, dkv
     lse2 = (lse_total * LOG2E).contiguous()
-    lengths = topk_length if topk_length is not None else ids
-    flags = (heads, head_dim, q.dtype, topk_length is not None)
+    has_len = topk_length is not None
+    lengths = topk_length if has_len else ids
+    flags = (heads, head_dim, q.dtype, has_len)
     token_bytes = 2 * width * heads * q.element_size()
     # At most 2**20 tokens per chunk keeps the 1-D grids (at most 9 dim blocks per head block and
     # token) far below CUDA's 2**31 - 1 programs.
@@ -340,8 +341,17 @@ def sparse_mla_backward(
     p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
     stride_pt = width * heads
-
-    has_len = topk_length is not None
+    # The dkv launches: the value dims (ds^T q + p^T dO) in blocks of block_d, then the rope dims
+    # (ds^T q); block_d is the config's (64 where it names none), at most the launch's dims.
+    dkv_base = [dkv_config] if dkv_config is not None else dkv_configs(heads)
+    dkv_launches = [
+        (d0, dims, with_values, [replace(c, block_d=min(c.block_d or 64, dims)) for c in dkv_base])
+        for d0, dims, with_values in (
+            (0, VALUE_DIM, True),
+            (VALUE_DIM, head_dim - VALUE_DIM, False),
+        )
+        if dims > 0
+    ]
     for t0 in range(0, tokens, chunk):
         n = min(chunk, tokens - t0)
         _launch(
@@ -379,24 +389,14 @@ def sparse_mla_backward(
             DR=64,
             DV=VALUE_DIM,
         )
-        # The value dims (ds^T q + p^T dO) in blocks of block_d, then the rope dims (ds^T q).
-        for d0, dims, with_values in (
-            (0, VALUE_DIM, True),
-            (VALUE_DIM, head_dim - VALUE_DIM, False),
-        ):
-            if dims == 0:
-                continue
-            dkv_grid = lambda c, n=n, dims=dims: (
-                triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
-            )
-            configs = [dkv_config] if dkv_config is not None else dkv_configs(heads)
-            # block_d: the config's (64 where it names none), at most the dims of this launch.
-            configs = [replace(c, block_d=min(c.block_d or 64, dims)) for c in configs]
+        for d0, dims, with_values, configs in dkv_launches:
             _launch(
                 _sparse_mla_bwd_dkv_kernel,
                 None if dkv_config is not None else ("dkv", with_values, *flags),
                 configs,
-                dkv_grid,
+                lambda c, n=n, dims=dims: (
+                    triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
+                ),
                 q,
                 dout,
                 ids,
