@@ -88,10 +88,11 @@ def _backward_in_chunks(p, buffer_bytes, monkeypatch):
     )
 
 
-def test_triton_dkv_skips_heads_without_slots_that_a_smaller_dq_head_block_never_wrote(monkeypatch):
+def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_slots(monkeypatch):
     """dq in 16-head blocks, dkv in 32-head blocks, and heads 0-15 without any slot (sink +inf): the dq
-    program of heads 0-15 writes no p/ds at all, so the dkv program must not read them (the buffers
-    are filled with NaN here, where `torch.empty` would leave whatever memory held)."""
+    program of heads 0-15 must still write their p and ds (zeros), since the dkv program of heads
+    0-31 reads them (the buffers are filled with NaN here, where `torch.empty` would leave whatever
+    memory held)."""
     from sa_mla.triton.launch import LaunchConfig
 
     p = random_problem(
@@ -176,6 +177,21 @@ def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
     torch.testing.assert_close(dq_chunked, dq_whole, rtol=0, atol=0)
     torch.testing.assert_close(dkv_chunked, dkv_whole, rtol=1e-5, atol=1e-5)
     assert torch.all(dq_whole[p.empty_rows] == 0)
+
+
+def test_backward_walks_each_rows_valid_ids_ascending_then_skips_the_rest():
+    """-1, out-of-range ids and slots past topk_length become `keys` (5) at the row's end; duplicates
+    stay; the counts are the rows' valid slots."""
+    ids = torch.tensor(
+        [[4, -1, 2, 4, 9, 0], [3, 1, 2, 0, 4, 4], [-1, -1, 7, 5, 6, -3]], dtype=torch.int32
+    )
+    ordered, counts = triton_backward.ascending_valid_ids(ids, 5, None)
+    expected = [[0, 2, 4, 4, 5, 5], [0, 1, 2, 3, 4, 4], [5, 5, 5, 5, 5, 5]]
+    assert ordered.tolist() == expected and ordered.dtype == torch.int32
+    assert counts.tolist() == [4, 6, 0] and counts.dtype == torch.int32
+    ordered, counts = triton_backward.ascending_valid_ids(ids, 5, torch.tensor([3, 0, 6]))
+    assert ordered.tolist() == [[2, 4, 5, 5, 5, 5], [5] * 6, [5] * 6]
+    assert counts.tolist() == [2, 0, 0]
 
 
 GPU_CASES = [

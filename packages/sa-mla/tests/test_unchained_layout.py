@@ -33,7 +33,7 @@ _COMPILE = textwrap.dedent(
     from sa_mla.triton.forward import _sparse_mla_fwd_kernel
 
     POINTERS = dict(
-        Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32",
+        Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32", LENGTHS="*i32",
         SINK="*fp32", LSE="*fp32", LSE2="*fp32", DELTA="*fp32", P="*bf16", DS="*bf16",
         DKV="*fp32",
     )
@@ -62,15 +62,13 @@ _COMPILE = textwrap.dedent(
             async_copies=ttgir.count("async_copy_global_to_local"),
         )
 
-    blocks = dict(
-        HAS_LEN=False, D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False, UNCHAIN=True
-    )
+    blocks = dict(D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False, UNCHAIN=True)
     dkv = dict(
-        HAS_LEN=False, WITH_VALUES=True, BLOCK_H=128, BLOCK_K=64, BLOCK_D=64, UPCAST=False,
+        WITH_VALUES=True, BLOCK_H=128, BLOCK_K=64, BLOCK_D=64, SLOT_CHUNK=512, UPCAST=False,
         UNCHAIN=True,
     )
     print(json.dumps({{
-        "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_SINK=True), 3),
+        "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_LEN=False, HAS_SINK=True), 3),
         "dq": mma_layouts(_sparse_mla_bwd_dq_kernel, dict(blocks, DR=64), 1),
         "dkv": mma_layouts(_sparse_mla_bwd_dkv_kernel, dkv, 1),
     }}))

@@ -1,4 +1,5 @@
-"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then two kernels per chunk of tokens.
+"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then per chunk of tokens the chunk's ids
+sorted (each row's valid ids ascending, then its count; see `ascending_valid_ids`) and two kernels.
 
 1. dq: recomputes the scores from the saved lse (log2 domain, sink included) and dP, forms
    ds = p * (dP - delta) * scale and adds ds · k to the head block's dq rows, kept in registers
@@ -79,13 +80,20 @@ def _load_query_block(
 
 
 @triton.jit
-def _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN: tl.constexpr):
-    length = width
-    if HAS_LEN:
-        length = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t).to(tl.int32), 0), width)
-    return tl.where(
-        tl.min(lse2, axis=0) == float("inf"), 0, length
-    )  # every head empty: nothing to do
+def _slot_length(LENGTHS, local_t, empty):
+    """The slots to walk: the row's count of valid ids (they lead the sorted row); 0 where `empty`."""
+    return tl.where(empty, 0, tl.load(LENGTHS + local_t))
+
+
+@triton.jit
+def _token_is_empty(LSE2, t, heads, BLOCK_H: tl.constexpr):
+    """Whether no head of token t has a valid slot (every lse2 is +inf)."""
+    lowest = float("inf")
+    for h0 in range(0, heads, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        lse2 = tl.load(LSE2 + t * heads + offs_h, mask=offs_h < heads, other=float("inf"))
+        lowest = tl.minimum(lowest, tl.min(lse2, axis=0))
+    return lowest == float("inf")
 
 
 @triton.jit
@@ -93,7 +101,7 @@ def _sparse_mla_bwd_dq_kernel(
     Q,
     KV,
     IDX,
-    TOPK_LEN,
+    LENGTHS,
     DOUT,
     LSE2,
     DELTA,
@@ -112,10 +120,8 @@ def _sparse_mla_bwd_dq_kernel(
     t0,
     heads,
     keys,
-    width,
     scale,
     scale_log2,
-    HAS_LEN: tl.constexpr,
     D_ROPE: tl.constexpr,
     DR: tl.constexpr,
     DV: tl.constexpr,
@@ -149,10 +155,12 @@ def _sparse_mla_bwd_dq_kernel(
         DR,
         UPCAST,
     )
-    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
+    # A head block whose heads are all empty still writes its p and ds (zeros: lse2 is +inf) when
+    # other heads of the token are not, as the dkv kernel's head blocks may be larger and read them.
+    length = _slot_length(LENGTHS, t - t0, _token_is_empty(LSE2, t, heads, BLOCK_H))
     offs_v = tl.arange(0, DV)
     offs_r = DV + tl.arange(0, DR)
-    idx_row = IDX + t * stride_it
+    idx_row = IDX + (t - t0) * stride_it
     # This token's [width, heads] tiles of P and DS; 32-bit offsets within them.
     p_tile = P + (t - t0) * stride_pt
     ds_tile = DS + (t - t0) * stride_pt
@@ -200,7 +208,7 @@ def _sparse_mla_bwd_dkv_kernel(
     Q,
     DOUT,
     IDX,
-    TOPK_LEN,
+    LENGTHS,
     LSE2,
     P,
     DS,
@@ -217,12 +225,11 @@ def _sparse_mla_bwd_dkv_kernel(
     dims,
     heads,
     keys,
-    width,
-    HAS_LEN: tl.constexpr,
     WITH_VALUES: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLOT_CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
 ):
@@ -231,13 +238,15 @@ def _sparse_mla_bwd_dkv_kernel(
     for one head block of one token (from t0). The block's q and dO columns are loaded once and stay in
     shared memory as the B operands; the slot blocks' p and ds tiles stream through (the dim blocks of
     one token and head block are neighbours in the grid, so they find those tiles in L2)."""
-    # A 1-D grid: a token's dim blocks, then its head blocks, next to each other. BLOCK_D and
-    # `dims` (512 or 64) are powers of two, BLOCK_D <= dims: the blocks tile the dims exactly.
+    # Grid x: a token's dim blocks, then its head blocks, next to each other (tokens never on y or
+    # z, which stop at 65535); grid y, launched last: the slot ranges. BLOCK_D and `dims` (512 or
+    # 64) are powers of two, BLOCK_D <= dims: the blocks tile the dims exactly.
     dim_blocks = tl.cdiv(dims, BLOCK_D)
     d_block = tl.program_id(0) % dim_blocks
     rest = tl.program_id(0) // dim_blocks
     hb = rest % tl.cdiv(heads, BLOCK_H)
     t = t0 + (rest // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
+    slot_range = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_d = d0 + d_block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -257,20 +266,22 @@ def _sparse_mla_bwd_dkv_kernel(
         if UPCAST:
             do_part = do_part.to(tl.float32)
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
-    length = _slot_length(TOPK_LEN, t, width, lse2, HAS_LEN)
-    # Heads with no valid slot have p = ds = 0. Their p and ds are not read: where every head of a
-    # smaller dq head block had none, the dq kernel skipped the token and wrote nothing there.
-    live = hmask & (lse2 != float("inf"))
-    idx_row = IDX + t * stride_it
+    length = _slot_length(LENGTHS, t - t0, tl.min(lse2, axis=0) == float("inf"))
+    idx_row = IDX + (t - t0) * stride_it
     # This token's [width, heads] tiles of P and DS; 32-bit offsets within them.
     p_tile = P + (t - t0) * stride_pt
     ds_tile = DS + (t - t0) * stride_pt
-    for start in range(0, length, BLOCK_K):
+    first = 0
+    end = length
+    if SLOT_CHUNK > 0:
+        first = slot_range * SLOT_CHUNK
+        end = tl.minimum(length, first + SLOT_CHUNK)
+    for start in range(first, end, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
         valid = (ids >= 0) & (ids < keys) & (slots < length)
         at = slots[:, None] * heads + offs_h[None, :]
-        written = (slots < length)[:, None] & live[None, :]
+        written = (slots < length)[:, None] & hmask[None, :]
         ds_t = tl.load(ds_tile + at, mask=written, other=0.0)
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
@@ -299,6 +310,25 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         out, dout, delta, rows, DV=VALUE_DIM, BLOCK_R=block_r
     )
     return delta
+
+
+def ascending_valid_ids(
+    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [n, width] int32 -> (each row's valid ids ascending, then `keys` [n, width] int32; their
+    counts [n] int32). Valid: in [0, keys) and, with topk_length [n], among the row's first
+    topk_length slots. Duplicates stay (each slot counts once).
+
+    The backward walks these rows: its kernels skip the invalid tail, and with ascending ids the dkv
+    programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which
+    stay in L2 (H200, docs/benchmarks.md 2026-11-30: 27.67 -> 26.27 ms, the sort 0.31 ms).
+    """
+    valid = (ids >= 0) & (ids < keys)
+    if topk_length is not None:
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        valid &= slots[None, :] < topk_length[:, None]
+    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values
+    return ordered, valid.sum(dim=1, dtype=torch.int32)
 
 
 # The p and ds buffers ([tokens, width, heads] each, in q's dtype) hold at most this many bytes
@@ -331,9 +361,7 @@ def sparse_mla_backward(
     if tokens == 0:
         return dq, dkv
     lse2 = (lse_total * LOG2E).contiguous()
-    has_len = topk_length is not None
-    lengths = topk_length if has_len else ids
-    flags = (heads, head_dim, q.dtype, has_len)
+    flags = (heads, head_dim, q.dtype)
     token_bytes = 2 * width * heads * q.element_size()
     # At most 2**20 tokens per chunk keeps the 1-D grids (at most 9 dim blocks per head block and
     # token) far below CUDA's 2**31 - 1 programs.
@@ -354,6 +382,11 @@ def sparse_mla_backward(
     ]
     for t0 in range(0, tokens, chunk):
         n = min(chunk, tokens - t0)
+        chunk_ids, lengths = ascending_valid_ids(
+            ids[t0 : t0 + n],
+            kv.shape[0],
+            None if topk_length is None else topk_length[t0 : t0 + n],
+        )
         _launch(
             _sparse_mla_bwd_dq_kernel,
             None if dq_config is not None else ("dq", *flags),
@@ -361,7 +394,7 @@ def sparse_mla_backward(
             lambda c, n=n: (triton.cdiv(heads, c.block_h) * n,),
             q,
             kv,
-            ids,
+            chunk_ids,
             lengths,
             dout,
             lse2,
@@ -372,7 +405,7 @@ def sparse_mla_backward(
             q.stride(0),
             q.stride(1),
             kv.stride(0),
-            ids.stride(0),
+            chunk_ids.stride(0),
             dout.stride(0),
             dout.stride(1),
             dq.stride(0),
@@ -381,10 +414,8 @@ def sparse_mla_backward(
             t0,
             heads,
             kv.shape[0],
-            width,
             float(softmax_scale),
             float(softmax_scale) * LOG2E,
-            HAS_LEN=has_len,
             D_ROPE=head_dim - VALUE_DIM,
             DR=64,
             DV=VALUE_DIM,
@@ -396,10 +427,11 @@ def sparse_mla_backward(
                 configs,
                 lambda c, n=n, dims=dims: (
                     triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
+                    triton.cdiv(width, c.slot_chunk) if c.slot_chunk and width else 1,
                 ),
                 q,
                 dout,
-                ids,
+                chunk_ids,
                 lengths,
                 lse2,
                 p,
@@ -407,7 +439,7 @@ def sparse_mla_backward(
                 dkv,
                 q.stride(0),
                 q.stride(1),
-                ids.stride(0),
+                chunk_ids.stride(0),
                 dout.stride(0),
                 dout.stride(1),
                 stride_pt,
@@ -417,8 +449,6 @@ def sparse_mla_backward(
                 dims,
                 heads,
                 kv.shape[0],
-                width,
-                HAS_LEN=has_len,
                 WITH_VALUES=with_values,
             )
     return dq, dkv

@@ -21,6 +21,11 @@ class LaunchConfig:
     num_stages: int
     # Dims per program, for the kernels that split the head dim across programs (the backward's dkv).
     block_d: int | None = None
+    # Slots per program for the dkv kernel (None: the whole row); the slot ranges are the grid's
+    # slowest axis, so that with ascending ids the programs in flight add into nearby dkv rows.
+    slot_chunk: int | None = None
+    # ptxas register cap (`maxnreg`), where more programs per SM matter more than spills.
+    max_registers: int | None = None
 
 
 def _head_block(heads: int) -> int:
@@ -54,14 +59,18 @@ def dkv_configs(heads: int) -> list[LaunchConfig]:
     accumulator, converted through shared memory for the vectorised atomics, beside the block's q and
     dO columns (resident in shared memory). Up to 128 heads per program: every head block adds its
     own share to the same dkv rows, so fewer blocks mean fewer atomics (H200, 2026-11-30: 128 heads
-    × 64 slots × 64 dims took the whole backward from 36.45 to 29.44 ms against 64 heads × 128 dims)."""
+    × 64 slots × 64 dims took the whole backward from 36.45 to 29.44 ms against 64 heads × 128 dims).
+    The kernel is memory-bound: at 64 registers (capped: the slot ranges' bounds would take 74)
+    four programs share an SM (110 registers, two programs, took the backward from 27.7 to 34.6
+    ms). Slot ranges of 512: with the backward's ascending ids, the programs in flight add into
+    about a quarter of the dkv rows at a time."""
     if triton_interpret():
-        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1, 128)]
+        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1, 128, 32)]
     h = max(16, min(128, triton.next_power_of_2(heads)))
     return [
-        LaunchConfig(h, 64, 8, 1, 64),
-        LaunchConfig(h, 32, 8, 1, 64),
-        LaunchConfig(16, 32, 4, 1, 64),
+        LaunchConfig(h, 64, 8, 1, 64, 512, 64),
+        LaunchConfig(h, 32, 8, 1, 64, 512, 64),
+        LaunchConfig(16, 32, 4, 1, 64, 512),
     ]
 
 
@@ -83,10 +92,16 @@ def _launch(
                 BLOCK_H=config.block_h,
                 BLOCK_K=config.block_k,
                 **({"BLOCK_D": config.block_d} if "BLOCK_D" in kernel.arg_names else {}),
+                **(
+                    {"SLOT_CHUNK": config.slot_chunk or 0}
+                    if "SLOT_CHUNK" in kernel.arg_names
+                    else {}
+                ),
                 UPCAST=triton_interpret(),
                 UNCHAIN=unchain_dots(args[0].device),
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
+                **({"maxnreg": config.max_registers} if config.max_registers else {}),
             )
         except triton.runtime.errors.OutOfResources as exc:
             error = exc
