@@ -83,7 +83,13 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     ]
     # The backward's two kernels are swept one at a time, the other at its default.
     dq = [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)]
-    dkv = [(128, 64, 8, 1, 64), (128, 64, 8, 1, 128)]
+    # dkv: heads, slots, warps, stages, dims, slot range, register cap (the default first).
+    dkv = [
+        (128, 64, 8, 2, 64, 512, 64),
+        (128, 64, 8, 1, 64, 512, 64),
+        (128, 64, 8, 1, 64),
+        (128, 64, 8, 1, 128, 512),
+    ]
     backward = lambda *configs: sparse_mla_backward(
         q, kv2, ids2, scale, None, dout, lse_total, delta, *configs
     )
@@ -95,8 +101,8 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     runs += [("bwd dkv", c, 2.5, lambda c: backward(None, c)) for c in dkv]
     for label, cfg, factor, fn in runs:
         config = LaunchConfig(*cfg)
-        name = f"  sweep {label} {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}" + (
-            f" d{cfg[4]}" if len(cfg) > 4 else ""
+        name = f"  sweep {label} {cfg[0]}x{cfg[1]} w{cfg[2]} s{cfg[3]}" + "".join(
+            f" {tag}{value}" for tag, value in zip(("d", "r", "cap"), cfg[4:], strict=False)
         )
         try:
             record(name, shape, do_bench(lambda fn=fn, config=config: fn(config)), factor * flops)
