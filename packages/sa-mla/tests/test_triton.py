@@ -127,9 +127,13 @@ def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_s
     torch.testing.assert_close(grads[16][0], grads[32][0], rtol=0, atol=0)
 
 
-def test_triton_grids_stay_within_cuda_limits_for_long_sequences(monkeypatch):
-    """Grid y and z stop at 65535: 70 000 tokens (a 1-D grid of programs, never tokens on y or z).
-    Meta tensors, and a launcher that only records the grids."""
+@pytest.mark.parametrize(
+    ("tokens", "width"), [(70_000, 2048), (4, 2**25 + 2**20)], ids=["many-tokens", "wide-rows"]
+)
+def test_triton_grids_stay_within_cuda_limits(monkeypatch, tokens, width):
+    """Grid y and z stop at 65535: 70 000 tokens never go on y or z (the grids' x axes hold them),
+    and rows of 34M slots get slot ranges wide enough that at most 65535 cover a row (the dkv grid's
+    y). Meta tensors, and a launcher that only records the grids."""
     from sa_mla.triton import forward as triton_forward
 
     grids = []
@@ -139,10 +143,10 @@ def test_triton_grids_stay_within_cuda_limits_for_long_sequences(monkeypatch):
 
     monkeypatch.setattr(triton_forward, "_launch", record)
     monkeypatch.setattr(triton_backward, "_launch", record)
-    tokens, heads = 70_000, 128
+    heads = 128
     q = torch.empty(tokens, heads, 576, device="meta", dtype=torch.bfloat16)
     kv = torch.empty(65_536, 576, device="meta", dtype=torch.bfloat16)
-    ids = torch.empty(tokens, 2048, device="meta", dtype=torch.int32)
+    ids = torch.empty(tokens, width, device="meta", dtype=torch.int32)
     stats = torch.empty(tokens, heads, device="meta")
     out = torch.empty(tokens, heads, 512, device="meta", dtype=torch.bfloat16)
     triton_forward.sparse_mla_forward(q, kv, ids, 0.1, None, None)
@@ -155,6 +159,8 @@ def test_triton_grids_stay_within_cuda_limits_for_long_sequences(monkeypatch):
     } <= names
     for name, grid in grids:
         assert grid[0] < 2**31 and all(extent <= 65_535 for extent in grid[1:]), (name, grid)
+    dkv_ranges = {grid[1] for name, grid in grids if name == "_sparse_mla_bwd_dkv_kernel"}
+    assert max(dkv_ranges) > 1  # the slot ranges are on y (a test of the cap, not of nothing)
 
 
 def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
@@ -179,9 +185,10 @@ def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
     assert torch.all(dq_whole[p.empty_rows] == 0)
 
 
-def test_backward_walks_each_rows_valid_ids_ascending_then_skips_the_rest():
+def test_ascending_valid_ids_sort_each_rows_valid_ids_and_count_them():
     """-1, out-of-range ids and slots past topk_length become `keys` (5) at the row's end; duplicates
-    stay; the counts are the rows' valid slots."""
+    stay; the counts are the rows' valid slots. topk_length below 0 keeps nothing, above the width
+    everything; int64 ids are judged before the cast (2**32 + 3 is not 3)."""
     ids = torch.tensor(
         [[4, -1, 2, 4, 9, 0], [3, 1, 2, 0, 4, 4], [-1, -1, 7, 5, 6, -3]], dtype=torch.int32
     )
@@ -192,6 +199,26 @@ def test_backward_walks_each_rows_valid_ids_ascending_then_skips_the_rest():
     ordered, counts = triton_backward.ascending_valid_ids(ids, 5, torch.tensor([3, 0, 6]))
     assert ordered.tolist() == [[2, 4, 5, 5, 5, 5], [5] * 6, [5] * 6]
     assert counts.tolist() == [2, 0, 0]
+    ordered, counts = triton_backward.ascending_valid_ids(ids[:2], 5, torch.tensor([-2, 9]))
+    assert ordered.tolist() == [[5] * 6, [0, 1, 2, 3, 4, 4]] and counts.tolist() == [0, 6]
+    wide = torch.tensor([[2**32 + 3, 1, -(2**33), 3]], dtype=torch.int64)
+    ordered, counts = triton_backward.ascending_valid_ids(wide, 5, None)
+    assert ordered.tolist() == [[1, 3, 5, 5]] and ordered.dtype == torch.int32
+    assert counts.tolist() == [2]
+
+
+def test_dkv_slot_ranges_must_be_whole_slot_blocks_and_fit_grid_y():
+    from sa_mla.triton.launch import LaunchConfig
+
+    with pytest.raises(
+        ValueError, match=r"slot_chunk must be a positive multiple of block_k \(16\)"
+    ):
+        LaunchConfig(16, 16, 4, 1, block_d=64, slot_chunk=24)
+    config = LaunchConfig(16, 64, 4, 1, block_d=64, slot_chunk=128)
+    wide = triton_backward._dkv_launch_config(config, 64, 2**25 + 2**20)
+    assert wide.slot_chunk % 64 == 0 and -(-(2**25 + 2**20) // wide.slot_chunk) <= 65_535
+    assert triton_backward._dkv_launch_config(config, 64, 2048).slot_chunk == 128
+    assert triton_backward._dkv_launch_config(config, 64, 0).slot_chunk is None
 
 
 GPU_CASES = [

@@ -1,5 +1,6 @@
 """Sparse MLA backward in Triton: delta = rowsum(dO * O), then per chunk of tokens the chunk's ids
-sorted (each row's valid ids ascending, then its count; see `ascending_valid_ids`) and two kernels.
+sorted (each row's valid ids ascending, padded with `keys`; the count of valid ids is the row's
+length: `ascending_valid_ids`) and two kernels.
 
 1. dq: recomputes the scores from the saved lse (log2 domain, sink included) and dP, forms
    ds = p * (dP - delta) * scale and adds ds · k to the head block's dq rows, kept in registers
@@ -132,8 +133,9 @@ def _sparse_mla_bwd_dq_kernel(
 ):
     """dq[t, h] = sum_j ds_j k_j with ds_j = scale * p_j (dO . v_j - delta) over the token's valid
     slots, for one token (from t0) and one head block, whose whole dq rows stay in
-    registers. Also writes p and ds (in P's dtype, 0 on invalid ids) to P/DS[t − t0, slot, head] for
-    the token's first `length` slots, for the dkv kernel.
+    registers. Also writes p and ds (in P's dtype) to P/DS[t − t0, slot, head] for the `length`
+    slots of the token's sorted row (all of them valid ids), for the dkv kernel; nothing for a token
+    whose heads are all empty.
     """
     hb = tl.program_id(0) % tl.cdiv(heads, BLOCK_H)  # 1-D grid, as in the forward kernel
     t = t0 + (tl.program_id(0) // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
@@ -169,6 +171,8 @@ def _sparse_mla_bwd_dq_kernel(
     for start in range(0, length, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        # The sorted rows hold only valid ids below `length`; the id tests are a guard for callers
+        # of the kernels who pass unsorted rows.
         valid = (ids >= 0) & (ids < keys) & (slots < length)
         kv_row = KV + ids.to(tl.int64) * stride_kvt
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
@@ -235,7 +239,8 @@ def _sparse_mla_bwd_dkv_kernel(
 ):
     """dkv[id_j, d] += ds_j^T q[:, d] (+ p_j^T dO[:, d] WITH_VALUES) for the BLOCK_D dims
     d0 + d_block * BLOCK_D + [0, BLOCK_D) of the `dims` from d0, added atomically per slot (FP32),
-    for one head block of one token (from t0). The block's q and dO columns are loaded once and stay in
+    for one head block of one token (from t0) and one range of SLOT_CHUNK slots (0: the whole
+    row). The block's q and dO columns are loaded once and stay in
     shared memory as the B operands; the slot blocks' p and ds tiles stream through (the dim blocks of
     one token and head block are neighbours in the grid, so they find those tiles in L2)."""
     # Grid x: a token's dim blocks, then its head blocks, next to each other (tokens never on y or
@@ -315,9 +320,10 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def ascending_valid_ids(
     ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [n, width] int32 -> (each row's valid ids ascending, then `keys` [n, width] int32; their
-    counts [n] int32). Valid: in [0, keys) and, with topk_length [n], among the row's first
-    topk_length slots. Duplicates stay (each slot counts once).
+    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
+    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
+    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
+    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
 
     The backward walks these rows: its kernels skip the invalid tail, and with ascending ids the dkv
     programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which
@@ -329,6 +335,18 @@ def ascending_valid_ids(
         valid &= slots[None, :] < topk_length[:, None]
     ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values
     return ordered, valid.sum(dim=1, dtype=torch.int32)
+
+
+def _dkv_launch_config(config: LaunchConfig, dims: int, width: int) -> LaunchConfig:
+    """`config` for a dkv launch over `dims` dims of rows `width` slots wide: block_d the config's (64
+    where it names none), at most `dims`; slot ranges widened, in whole slot blocks, until at most
+    65535 of them cover the row (CUDA's limit on grid y); none for an empty row."""
+    block_d = min(config.block_d or 64, dims)
+    slot_chunk = config.slot_chunk
+    if slot_chunk is not None:
+        fewest = triton.cdiv(triton.cdiv(width, 65535), config.block_k) * config.block_k
+        slot_chunk = max(slot_chunk, fewest) if width > 0 else None
+    return replace(config, block_d=block_d, slot_chunk=slot_chunk)
 
 
 # The p and ds buffers ([tokens, width, heads] each, in q's dtype) hold at most this many bytes
@@ -363,8 +381,9 @@ def sparse_mla_backward(
     lse2 = (lse_total * LOG2E).contiguous()
     flags = (heads, head_dim, q.dtype)
     token_bytes = 2 * width * heads * q.element_size()
-    # At most 2**20 tokens per chunk keeps the 1-D grids (at most 9 dim blocks per head block and
-    # token) far below CUDA's 2**31 - 1 programs.
+    # At most 2**20 tokens per chunk keeps the grids' x axes (at most 9 dim blocks per head block
+    # and token) far below CUDA's 2**31 - 1 programs; the dkv grid's y axis (slot ranges) is kept
+    # within 65535 by `_dkv_launch_config`.
     chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // max(1, token_bytes), 1 << 20))
     p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)
@@ -373,7 +392,7 @@ def sparse_mla_backward(
     # (ds^T q); block_d is the config's (64 where it names none), at most the launch's dims.
     dkv_base = [dkv_config] if dkv_config is not None else dkv_configs(heads)
     dkv_launches = [
-        (d0, dims, with_values, [replace(c, block_d=min(c.block_d or 64, dims)) for c in dkv_base])
+        (d0, dims, with_values, [_dkv_launch_config(c, dims, width) for c in dkv_base])
         for d0, dims, with_values in (
             (0, VALUE_DIM, True),
             (VALUE_DIM, head_dim - VALUE_DIM, False),
@@ -427,7 +446,7 @@ def sparse_mla_backward(
                 configs,
                 lambda c, n=n, dims=dims: (
                     triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
-                    triton.cdiv(width, c.slot_chunk) if c.slot_chunk and width else 1,
+                    triton.cdiv(width, c.slot_chunk) if c.slot_chunk else 1,
                 ),
                 q,
                 dout,

@@ -21,11 +21,21 @@ class LaunchConfig:
     num_stages: int
     # Dims per program, for the kernels that split the head dim across programs (the backward's dkv).
     block_d: int | None = None
-    # Slots per program for the dkv kernel (None: the whole row); the slot ranges are the grid's
-    # slowest axis, so that with ascending ids the programs in flight add into nearby dkv rows.
+    # Slots per program for the dkv kernel (None: the whole row), a multiple of block_k; the slot
+    # ranges are the grid's slowest axis, so that with ascending ids the programs in flight add into
+    # nearby dkv rows.
     slot_chunk: int | None = None
     # ptxas register cap (`maxnreg`), where more programs per SM matter more than spills.
     max_registers: int | None = None
+
+    def __post_init__(self):
+        # The kernel walks a range in whole slot blocks: a ragged range would add its last block's
+        # slots twice (once more from the next range).
+        if self.slot_chunk is not None and (self.slot_chunk < 1 or self.slot_chunk % self.block_k):
+            raise ValueError(
+                f"LaunchConfig: slot_chunk must be a positive multiple of block_k "
+                f"({self.block_k}); got {self.slot_chunk}"
+            )
 
 
 def _head_block(heads: int) -> int:
@@ -60,19 +70,25 @@ def dkv_configs(heads: int) -> list[LaunchConfig]:
     dO columns (resident in shared memory). Up to 128 heads per program: every head block adds its
     own share to the same dkv rows, so fewer blocks mean fewer atomics (H200, 2026-11-30: 128 heads
     × 64 slots × 64 dims took the whole backward from 36.45 to 29.44 ms against 64 heads × 128 dims).
-    The kernel is memory-bound: at 64 registers (capped: the slot ranges' bounds would take 74)
-    four programs share an SM (110 registers, two programs, took the backward from 27.7 to 34.6
-    ms). Slot ranges of 512: with the backward's ascending ids, the programs in flight add into
-    about a quarter of the dkv rows at a time. Two stages (112 KiB of shared memory, two programs
-    per SM, the p/ds tiles loaded asynchronously): 25.99 against 26.21 ms for one stage."""
+
+    The kernel is memory-bound, so programs per SM matter (H200, docs/benchmarks.md 2026-11-30):
+    - a mask on loaded values once split its p/ds loads into 2-byte ones and took it from 64 to 110
+      registers (two programs per SM instead of four): the backward went from 27.7 to 34.6 ms;
+    - slot ranges of 512 (with the backward's ascending ids, the programs in flight add into about a
+      quarter of the dkv rows at a time) want 74 registers, capped at 64 (no spills in Triton 3.6);
+    - two stages (112 KiB of shared memory, so two programs per SM; the p/ds tiles loaded
+      asynchronously) measured 25.99 against 26.21 ms for one, within the spread between calls;
+      one stage, four programs per SM at the cap, is the fallback.
+    """
     if triton_interpret():
-        return [LaunchConfig(max(16, min(64, triton.next_power_of_2(heads))), 16, 4, 1, 128, 32)]
+        block_h = max(16, min(64, triton.next_power_of_2(heads)))
+        return [LaunchConfig(block_h, 16, 4, 1, block_d=128, slot_chunk=16)]
     h = max(16, min(128, triton.next_power_of_2(heads)))
     return [
-        LaunchConfig(h, 64, 8, 2, 64, 512, 64),
-        LaunchConfig(h, 64, 8, 1, 64, 512, 64),
-        LaunchConfig(h, 32, 8, 1, 64, 512, 64),
-        LaunchConfig(16, 32, 4, 1, 64, 512),
+        LaunchConfig(h, 64, 8, 2, block_d=64, slot_chunk=512, max_registers=64),
+        LaunchConfig(h, 64, 8, 1, block_d=64, slot_chunk=512, max_registers=64),
+        LaunchConfig(h, 32, 8, 1, block_d=64, slot_chunk=512, max_registers=64),
+        LaunchConfig(16, 32, 4, 1, block_d=64, slot_chunk=512),
     ]
 
 
