@@ -41,11 +41,6 @@ def _flops(batch: int, queries: int, groups: int, heads: int, dim: int, regions:
 
 
 def _config_name(cfg: dict) -> str:
-    if cfg.get("KERNEL") == "heads":
-        return (
-            f"heads {cfg['BLOCK_Q']}x{cfg['BLOCK_R']} w{cfg['num_warps']} s{cfg['num_stages']}"
-            f" x{cfg.get('PER_SM', 1)}/SM"
-        )
     if cfg.get("KERNEL") == "resident":
         return (
             f"resident {cfg['BLOCK_M']}x{cfg['BLOCK_R']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -122,8 +117,7 @@ def _bench_shape(batch: int, queries: int, groups: int, heads: int, dim: int, re
 def _sweep(
     batch: int, queries: int, groups: int, heads: int, dim: int, regions: int, all_rows: list
 ) -> list:
-    """Time every SWEEP_CONFIGS and HEADS_CONFIGS entry at one shape (the latter sum the heads in
-    another order: other bits); returns its rows, also appended to `all_rows` as measured."""
+    """Time every SWEEP_CONFIGS entry at one shape; returns its rows, also appended to `all_rows` as measured."""
     query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions)
     expected = reference.indexer_score_tile(query, weights, summary, 0, queries)
     default = torch.empty_like(expected)
@@ -133,7 +127,7 @@ def _sweep(
     flops = _flops(batch, queries, groups, heads, dim, regions)
     shape = _shape_name(batch, queries, groups, heads, dim, regions)
     rows = []
-    for cfg in triton_kernels.SWEEP_CONFIGS + triton_kernels.HEADS_CONFIGS:
+    for cfg in triton_kernels.SWEEP_CONFIGS:
         name = _config_name(cfg)
         out = torch.full_like(expected, float("nan"))
         run = lambda cfg=cfg, out=out: triton_kernels.indexer_score_tile(

@@ -39,8 +39,6 @@ def test_triton_matches_reference_and_fills_a_nan_poisoned_out(case, dtype):
 
 
 def _config_id(cfg: dict) -> str:
-    if cfg.get("KERNEL") == "heads":
-        return "heads-q{BLOCK_Q}-r{BLOCK_R}-w{num_warps}-s{num_stages}".format(**cfg)
     tiles = "m{BLOCK_M}-r{BLOCK_R}".format(**cfg)
     launch = "w{num_warps}-s{num_stages}".format(**cfg)
     if cfg.get("KERNEL") == "resident":
@@ -83,17 +81,21 @@ RESIDENT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("with_bounds", [False, True], ids=["all-regions", "bounds"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", RESIDENT_CASES)
-def test_resident_kernel_matches_reference_across_segment_boundaries(case, dtype):
+def test_resident_kernel_matches_reference_across_segment_boundaries(case, dtype, with_bounds):
     batch, queries, groups, heads, dim, regions, start, stop, programs = case
     query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions, dtype, seed=5)
+    bounds = _candidate_bounds(batch, stop - start, regions, seed=3) if with_bounds else None
     out = torch.full((batch, groups, stop - start, regions), float("nan"))
     assert triton_kernels._summary_descriptor(summary, 16, 64)[0] is not None  # the TMA loads run
     cfg = _resident(programs=programs)
-    triton_kernels.indexer_score_tile(query, weights, summary, start, stop, out, _config=cfg)
+    triton_kernels.indexer_score_tile(
+        query, weights, summary, start, stop, out, bounds, _config=cfg
+    )
     assert not out.isnan().any()
-    expected = reference.indexer_score_tile(query, weights, summary, start, stop)
+    expected = reference.indexer_score_tile(query, weights, summary, start, stop, bounds)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
@@ -148,41 +150,6 @@ def test_sweep_configs_at_their_gpu_block_sizes_match_the_reference(cfg):
     triton_kernels.indexer_score_tile(query, weights, summary, 3, 40, out, _config=cfg)
     expected = reference.indexer_score_tile(query, weights, summary, 3, 40)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
-
-
-def _heads(block_q=16, block_r=16, programs=3, warps=4, stages=2):
-    """A one-dot-per-head config at interpreter size, with a fixed program count."""
-    return {**triton_kernels._heads(block_q, block_r, 1, warps, stages), "PROGRAMS": programs}
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", RESIDENT_CASES)
-def test_heads_kernel_matches_reference_with_bounds_across_segment_boundaries(case, dtype):
-    # 1, 2, 3 (one padded) and 4 heads; runs of tiles across segments; candidate windows.
-    batch, queries, groups, heads, dim, regions, start, stop, programs = case
-    query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions, dtype, seed=7)
-    bounds = _candidate_bounds(batch, stop - start, regions, seed=3)
-    out = torch.full((batch, groups, stop - start, regions), float("nan"))
-    cfg = _heads(programs=programs)
-    triton_kernels.indexer_score_tile(
-        query, weights, summary, start, stop, out, bounds, _config=cfg
-    )
-    expected = reference.indexer_score_tile(query, weights, summary, start, stop, bounds)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
-    again = torch.empty_like(out)
-    triton_kernels.indexer_score_tile(
-        query, weights, summary, start, stop, again, bounds, _config=cfg
-    )
-    assert torch.equal(out, again)
-
-
-def test_heads_config_runs_the_default_where_a_group_has_more_than_four_heads():
-    query, weights, summary = _inputs(1, 10, 1, 5, 32, 40, seed=13)
-    out = torch.full((1, 1, 9, 40), float("nan"))
-    triton_kernels.indexer_score_tile(query, weights, summary, 1, 10, out, _config=_heads())
-    default = torch.empty_like(out)
-    triton_kernels.indexer_score_tile(query, weights, summary, 1, 10, default)
-    assert torch.equal(out, default)
 
 
 def test_resident_config_runs_the_tiles_kernel_when_dim_exceeds_256():
@@ -356,25 +323,6 @@ def test_cuda_sweep_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
     )
     assert torch.equal(out, again)
     expected = reference.indexer_score_tile(query, weights, summary, 16, 144)
-    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", triton_kernels.HEADS_CONFIGS, ids=_config_id)
-def test_cuda_heads_configs_match_the_reference_and_repeat_bit_for_bit(cfg):
-    query, weights, summary = _inputs(1, 200, 4, 4, 256, 1008, device="cuda", seed=3)
-    bounds = _candidate_bounds(1, 128, 1008, device="cuda", seed=4)
-    out = torch.full((1, 4, 128, 1008), float("nan"), device="cuda")
-    try:
-        triton_kernels.indexer_score_tile(
-            query, weights, summary, 16, 144, out, bounds, _config=cfg
-        )
-    except OutOfResources as err:
-        pytest.skip(f"config needs more shared memory than this GPU has: {err}")
-    again = torch.empty_like(out)
-    triton_kernels.indexer_score_tile(query, weights, summary, 16, 144, again, bounds, _config=cfg)
-    assert torch.equal(out, again)
-    expected = reference.indexer_score_tile(query, weights, summary, 16, 144, bounds)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
 
 

@@ -248,7 +248,7 @@ def sweep_score_kernel(rows: list[dict]) -> None:
         out = torch.empty(1, g, n_q, regions, device=DEVICE)
         flops = 2.0 * n_q * g * h * d * regions
         reference = None
-        for cfg in [None, *tk.SWEEP_CONFIGS, *tk.HEADS_CONFIGS]:
+        for cfg in [None, *tk.SWEEP_CONFIGS]:
 
             def call(cfg=cfg, query=query, weights=weights, summary=summary, out=out) -> None:
                 tk.indexer_score_tile(query, weights, summary, 0, query.shape[1], out, _config=cfg)

@@ -15,12 +15,6 @@ Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
 Both accumulate the products in the same k order and share the epilogue; their bits were equal on the H200 where
 D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
-
-A third, "heads" (only through `_config`: `HEADS_CONFIGS`, for sweeps), walks tiles as "resident" does but
-runs one dot per head with M = the block's queries (at most 4 heads per group), so the head sum is an
-elementwise FMA instead of a reduction across lanes: offline it issues about 1.0 warp instruction per
-output against 2.4 for "resident" (docs/benchmarks.md, 2026-11-30), at ptxas spills of 0.6–0.9 KB. Not
-yet timed on a GPU, and its bits differ (heads summed in order), so it is no default.
 """
 
 import functools
@@ -57,33 +51,10 @@ def _weighted_head_sum_store(
     BLOCK_R: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
 ):
-    """relu, head weights, sum over each query's HP rows, then `_store_scores`."""
+    """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores; with
+    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each)."""
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
-    _store_scores(
-        score, rs, r_ok, out_ptr, b, g, pid_q, n_q, R, G, first, past, BLOCK_Q, HAS_BOUNDS
-    )
-
-
-@triton.jit
-def _store_scores(
-    score,
-    rs,
-    r_ok,
-    out_ptr,
-    b,
-    g,
-    pid_q,
-    n_q,
-    R,
-    G,
-    first,
-    past,
-    BLOCK_Q: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr,
-):
-    """Store `[BLOCK_Q, BLOCK_R]` FP32 scores; with HAS_BOUNDS, −inf outside each query's candidate
-    regions `[first, past)` ([BLOCK_Q] each)."""
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
         candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < past[:, None])
@@ -314,102 +285,6 @@ def _indexer_score_resident_kernel(
         t += r_hi - r_lo
 
 
-@triton.jit
-def _head_tile(q_rows, w_rows, h, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32: tl.constexpr):
-    """Head h's query rows [BLOCK_Q, DP] and weights [BLOCK_Q] (zeros for a padded head), from the
-    block's head-0 row pointers q_rows and w_rows ([BLOCK_Q] each)."""
-    ok = q_ok & (tl.full(q_ok.shape, h, tl.int32) < H)
-    qt = tl.load(
-        q_rows[:, None] + h * sq_h + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0
-    )
-    if DOT_FP32:
-        qt = qt.to(tl.float32)
-    return qt, tl.load(w_rows + h * sw_h, mask=ok, other=0.0)
-
-
-@triton.jit
-def _head_term(qt, st, w, PRECISION: tl.constexpr):
-    """w · relu(q · s) of one head, [BLOCK_Q, BLOCK_R]."""
-    return tl.maximum(tl.dot(qt, tl.trans(st), input_precision=PRECISION), 0.0) * w[:, None]
-
-
-@triton.jit(do_not_specialize=["start", "n_tiles", "tiles_per_program", "s_batch_rows"])
-def _indexer_score_heads_kernel(
-    q_ptr,
-    w_ptr,
-    s_desc,
-    out_ptr,
-    first_ptr,
-    past_ptr,
-    start,
-    n_q,
-    R,
-    D,
-    H,
-    G,
-    n_tiles,
-    tiles_per_program,
-    s_batch_rows,
-    sq_b,
-    sq_q,
-    sq_g,
-    sq_h,
-    sw_b,
-    sw_q,
-    sw_g,
-    sw_h,
-    sb_b,
-    HP: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    DP: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr,
-    STAGES: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    # The resident kernel's walk over tiles, but one dot per head (M = the block's queries; HP <= 4):
-    # the head sum is an elementwise FMA in registers instead of a reduction across lanes.
-    n_r = tl.cdiv(R, BLOCK_R)
-    n_m = tl.cdiv(n_q, BLOCK_Q)
-    t = tl.program_id(0) * tiles_per_program
-    t_end = tl.minimum(t + tiles_per_program, n_tiles)
-    d = tl.arange(0, DP)
-    d_ok = d < D
-    while t < t_end:
-        r_lo, r_hi, pid_q, b, g = _segment(t, t_end, n_r, n_m, G)
-        qi = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        q_ok = qi < n_q
-        q_pos = (start + qi).to(tl.int64)
-        q_rows = q_ptr + b * sq_b + q_pos * sq_q + g * sq_g
-        w_rows = w_ptr + b * sw_b + q_pos * sw_q + g * sw_g
-        q0, w0 = _head_tile(q_rows, w_rows, 0, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
-        if HP > 1:
-            q1, w1 = _head_tile(q_rows, w_rows, 1, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
-        if HP > 2:
-            q2, w2 = _head_tile(q_rows, w_rows, 2, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
-            q3, w3 = _head_tile(q_rows, w_rows, 3, sq_h, sw_h, q_ok, H, d, d_ok, DOT_FP32)
-        first, past = _query_bounds(
-            first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, BLOCK_Q, HAS_BOUNDS
-        )
-        s_row0 = (b * s_batch_rows).to(tl.int32)
-        for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
-            rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-            st = s_desc.load([s_row0 + pid_r * BLOCK_R, 0])
-            if DOT_FP32:
-                st = st.to(tl.float32)
-            score = _head_term(q0, st, w0, PRECISION)
-            if HP > 1:
-                score += _head_term(q1, st, w1, PRECISION)
-            if HP > 2:
-                score += _head_term(q2, st, w2, PRECISION)
-                score += _head_term(q3, st, w3, PRECISION)
-            _store_scores(
-                score, rs, rs < R, out_ptr, b, g, pid_q, n_q, R, G, first, past, BLOCK_Q, HAS_BOUNDS
-            )
-        t += r_hi - r_lo
-
-
 def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) -> dict:
     return {
         "KERNEL": "resident",
@@ -439,26 +314,6 @@ _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, 
 _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
 
 
-def _heads(block_q: int, block_r: int, per_sm: int, warps: int, stages: int) -> dict:
-    return {
-        "KERNEL": "heads",
-        "BLOCK_Q": block_q,
-        "BLOCK_R": block_r,
-        "PER_SM": per_sm,
-        "num_warps": warps,
-        "num_stages": stages,
-    }
-
-
-# The one-dot-per-head kernel (at most 4 heads per group), for `bench_indexer_score.py --sweep` on the
-# GPU: not measured yet (written 2026-11-30 after an offline count of the resident kernel's tile loop,
-# docs/benchmarks.md). Its bits differ from the other kernels' (the heads are summed in order, not by a
-# reduction), so it is no default until the tiles kernel sums the same way.
-HEADS_CONFIGS = [
-    _heads(64, 64, per_sm=1, warps=4, stages=2),
-    _heads(64, 128, per_sm=1, warps=8, stages=1),
-    _heads(64, 64, per_sm=1, warps=4, stages=1),
-]
 # The default and its closest rivals in that sweep (TFLOP/s at Q 128 / Q 2048), for `bench_indexer_score.py --sweep`
 # to re-check on another GPU or Triton. All give the default's bits. (Dropped as clear losers: the persistent
 # grid-stride tiles kernel, TMA score stores, and other tile shapes; resident 128 × 32 and 256 × 64 changed bits.)
@@ -550,31 +405,22 @@ def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
     return _sm_count(query.device.index) * cfg.get("PER_SM", 1)
 
 
-def _launch_walking(
-    kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
+def _launch_resident(
+    query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
 ) -> bool:
-    """Runs a kernel that walks runs of tiles ("resident", or "heads" with `cfg["BLOCK_Q"]` queries
-    per block), or returns False where TMA cannot address `summary`."""
+    """Runs the resident kernel, or returns False where TMA cannot address `summary`."""
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
-    if kernel == "heads":
-        fn, block_q, blocks = (
-            _indexer_score_heads_kernel,
-            cfg["BLOCK_Q"],
-            {"BLOCK_Q": cfg["BLOCK_Q"]},
-        )
-    else:
-        block_m = max(cfg["BLOCK_M"], hp)
-        fn, block_q, blocks = _indexer_score_resident_kernel, block_m // hp, {"BLOCK_M": block_m}
+    block_m = max(cfg["BLOCK_M"], hp)
     block_r = cfg["BLOCK_R"]
     dp = max(16, triton.next_power_of_2(dim))
-    n_tiles = batch * groups * triton.cdiv(n_q, block_q) * triton.cdiv(regions, block_r)
+    n_tiles = batch * groups * triton.cdiv(n_q, block_m // hp) * triton.cdiv(regions, block_r)
     tiles_per_program = triton.cdiv(n_tiles, _programs(query, cfg, interpret))
     desc, batch_rows = _summary_descriptor(summary, block_r, dp)
     if desc is None:
         return False
     first, past, bounds_batch_stride = _bound_args(bounds, out)
-    fn[(triton.cdiv(n_tiles, tiles_per_program),)](
+    _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
         desc,
@@ -594,6 +440,7 @@ def _launch_walking(
         *weights.stride(),
         bounds_batch_stride,
         HP=hp,
+        BLOCK_M=block_m,
         HAS_BOUNDS=bounds is not None,
         BLOCK_R=block_r,
         DP=dp,
@@ -602,7 +449,6 @@ def _launch_walking(
         PRECISION=precision,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **blocks,
     )
     return True
 
@@ -644,18 +490,9 @@ def indexer_score_tile(
     else:
         cfg = dict(DEFAULT_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
-    # The heads kernel holds at most 4 heads' query tiles (shared memory); elsewhere the default runs.
-    heads_run = kernel == "heads" and hp <= 4 and _resident_runs(query, interpret)
-    if heads_run and _launch_walking(
-        kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
-    ):
-        return out
-    if kernel == "heads":
-        cfg = dict(_INTERPRET_CONFIG if interpret else DEFAULT_CONFIG)
-        kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
-    if resident and _launch_walking(
-        kernel, query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
+    if resident and _launch_resident(
+        query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
     ):
         return out
     if kernel == "resident":
