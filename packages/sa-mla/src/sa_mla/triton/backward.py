@@ -39,6 +39,20 @@ def _sparse_mla_delta_kernel(OUT, DOUT, DELTA, rows, DV: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
+def _head_rows(ptr, t, stride_t, offs_h, stride_h, offs_d, rows_ok, UPCAST: tl.constexpr):
+    """Token t's rows offs_h, columns offs_d ([BLOCK_H, len(offs_d)]; zeros where not rows_ok),
+    widened to FP32 under UPCAST."""
+    rows = tl.load(
+        ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :],
+        mask=rows_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        rows = rows.to(tl.float32)
+    return rows
+
+
+@triton.jit
 def _load_query_block(
     Q,
     DOUT,
@@ -60,20 +74,10 @@ def _load_query_block(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_v = tl.arange(0, DV)
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_row + offs_v[None, :], mask=hmask[:, None], other=0.0)
-    q_rope = tl.load(
-        q_row + DV + tl.arange(0, DR)[None, :], mask=hmask[:, None] & (D_ROPE > 0), other=0.0
-    )
-    do = tl.load(
-        DOUT + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :],
-        mask=hmask[:, None],
-        other=0.0,
-    )
-    if UPCAST:
-        q_nope = q_nope.to(tl.float32)
-        q_rope = q_rope.to(tl.float32)
-        do = do.to(tl.float32)
+    q_nope = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_v, hmask, UPCAST)
+    rope = tl.arange(0, DR)  # columns DV + rope
+    q_rope = _head_rows(Q + DV, t, stride_qt, offs_h, stride_qh, rope, hmask & (D_ROPE > 0), UPCAST)
+    do = _head_rows(DOUT, t, stride_dot, offs_h, stride_doh, offs_v, hmask, UPCAST)
     # lse2: log2-domain lse including the sink, +inf for rows with no valid slot (their p is then 0).
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
     delta = tl.load(DELTA + t * heads + offs_h, mask=hmask, other=0.0)
@@ -255,21 +259,9 @@ def _sparse_mla_bwd_dkv_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_d = d0 + d_block * BLOCK_D + tl.arange(0, BLOCK_D)
-    q_part = tl.load(
-        Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=hmask[:, None],
-        other=0.0,
-    )
-    if UPCAST:
-        q_part = q_part.to(tl.float32)
+    q_part = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_d, hmask, UPCAST)
     if WITH_VALUES:
-        do_part = tl.load(
-            DOUT + t * stride_dot + offs_h[:, None] * stride_doh + offs_d[None, :],
-            mask=hmask[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            do_part = do_part.to(tl.float32)
+        do_part = _head_rows(DOUT, t, stride_dot, offs_h, stride_doh, offs_d, hmask, UPCAST)
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
     length = _slot_length(LENGTHS, t - t0, tl.min(lse2, axis=0) == float("inf"))
     idx_row = IDX + (t - t0) * stride_it
