@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 from sa_mla import cudnn_sparse_attention, is_cudnn_sparse_attention_available, sparse_mla_triton
 from sa_mla.canonical import canonical_topk
-from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
+from sa_mla.triton.backward import sparse_mla_backward
 from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.triton.launch import LaunchConfig
 
@@ -59,7 +59,7 @@ def bench_triton(q, kv, ids, sink, dout, shape, flops, baseline):
     qg, kvg, sg = (t.detach().requires_grad_() for t in (q, kv, sink))
     out = sparse_mla_triton(qg, kvg, ids, scale, attn_sink=sg)
     ms = do_bench(lambda: torch.autograd.grad(out, [qg, kvg, sg], dout, retain_graph=True))
-    record("triton bwd (autograd: delta+kernel+dsink)", shape, ms, 2.5 * flops, baseline.get("bwd"))
+    record("triton bwd (autograd: kernels+dsink)", shape, ms, 2.5 * flops, baseline.get("bwd"))
 
 
 def sweep_triton(q, kv, ids, sink, dout, shape, flops):
@@ -68,7 +68,6 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     kv2 = kv[:, 0].contiguous()
     ids2 = ids[:, 0].contiguous()
     out, lse = sparse_mla_forward(q, kv2, ids2, scale, None, sink)
-    delta = sparse_mla_delta(out, dout)
     lse_total = torch.logaddexp(lse, sink[None])
     # Spill-free 32-head forward blocks (179/202 registers per ptxas) measured slower on the H200
     # (137/188 vs the then-default's 234 TFLOP/s, 2026-11-29, before the unchained score dots), so
@@ -91,7 +90,7 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
         (128, 64, 8, 1, 128, 512),
     ]
     backward = lambda *configs: sparse_mla_backward(
-        q, kv2, ids2, scale, None, dout, lse_total, delta, *configs
+        q, kv2, ids2, scale, None, dout, out, lse_total, *configs
     )
     runs = [
         ("fwd", c, 1.0, lambda c: sparse_mla_forward(q, kv2, ids2, scale, None, sink, c))

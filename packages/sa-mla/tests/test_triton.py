@@ -75,17 +75,18 @@ def test_triton_accepts_int64_ids_and_lengths_and_strided_q():
 
 
 def _backward_in_chunks(p, buffer_bytes, monkeypatch):
-    """(dq, dkv) of the Triton backward on `p` with its score buffers capped at `buffer_bytes`."""
+    """(dq, dkv, delta) of the Triton backward on `p` with its score buffers capped at
+    `buffer_bytes`, and the delta expected (rowsum of dO * O in FP32)."""
     q, kv, ids = p.q.detach(), p.kv_latent.detach()[:, 0], p.topk_indices[:, 0].contiguous()
     out, lse = sparse_mla_forward(q, kv, ids, p.softmax_scale, p.topk_length, p.attn_sink)
     gen = torch.Generator(device=out.device).manual_seed(5)
     dout = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
-    delta = triton_backward.sparse_mla_delta(out, dout)
     lse_total = lse_with_sink(lse, p.attn_sink)
     monkeypatch.setattr(triton_backward, "SCORE_BUFFER_BYTES", buffer_bytes)
-    return triton_backward.sparse_mla_backward(
-        q, kv, ids, p.softmax_scale, p.topk_length, dout, lse_total, delta
+    grads = triton_backward.sparse_mla_backward(
+        q, kv, ids, p.softmax_scale, p.topk_length, dout, out, lse_total
     )
+    return grads, (out.float() * dout.float()).sum(dim=-1)
 
 
 def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_slots(monkeypatch):
@@ -105,7 +106,6 @@ def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_s
     q, kv, ids = p.q, p.kv_latent[:, 0], p.topk_indices[:, 0].contiguous()
     out, lse = sparse_mla_forward(q, kv, ids, p.softmax_scale, None, p.attn_sink)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    delta = triton_backward.sparse_mla_delta(out, dout)
     lse_total = lse_with_sink(lse, p.attn_sink)
     grads = {
         dq_heads: triton_backward.sparse_mla_backward(
@@ -115,8 +115,8 @@ def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_s
             p.softmax_scale,
             None,
             dout,
+            out,
             lse_total,
-            delta,
             LaunchConfig(dq_heads, 16, 4, 1),
             LaunchConfig(32, 16, 4, 1, 32),
         )
@@ -150,7 +150,7 @@ def test_triton_grids_stay_within_cuda_limits(monkeypatch, tokens, width):
     stats = torch.empty(tokens, heads, device="meta")
     out = torch.empty(tokens, heads, 512, device="meta", dtype=torch.bfloat16)
     triton_forward.sparse_mla_forward(q, kv, ids, 0.1, None, None)
-    triton_backward.sparse_mla_backward(q, kv, ids, 0.1, None, out, stats, stats)
+    triton_backward.sparse_mla_backward(q, kv, ids, 0.1, None, out, out, stats)
     names = {name for name, _ in grids}
     assert {
         "_sparse_mla_fwd_kernel",
@@ -164,24 +164,31 @@ def test_triton_grids_stay_within_cuda_limits(monkeypatch, tokens, width):
 
 
 def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
-    # 2 tokens per chunk: chunk edges at odd tokens, empty rows (1, 6) and short rows inside chunks.
+    """Chunks of 2 tokens, alternating between the two lanes (each lane's buffers reused by every
+    other chunk): chunk edges at odd tokens, empty rows (1, 6) and short rows inside chunks."""
+    tokens, heads, width = 7, 5, 19
     p = random_problem(
-        7,
-        5,
+        tokens,
+        heads,
         576,
         30,
-        19,
+        width,
         sink=True,
         lengths=True,
         dtype=torch.float32,
         seed=61,
         requires_grad=False,
     )
-    dq_chunked, dkv_chunked = _backward_in_chunks(p, 2 * (2 * 19 * 5 * 4), monkeypatch)
-    dq_whole, dkv_whole = _backward_in_chunks(p, 1 << 30, monkeypatch)
+    token_bytes = 2 * width * heads * 4
+    (dq_chunked, dkv_chunked, delta_chunked), delta = _backward_in_chunks(
+        p, 2 * 2 * token_bytes, monkeypatch
+    )
+    (dq_whole, dkv_whole, delta_whole), _ = _backward_in_chunks(p, 1 << 30, monkeypatch)
     assert dq_whole.abs().amax() > 0 and dkv_whole.abs().amax() > 0
     torch.testing.assert_close(dq_chunked, dq_whole, rtol=0, atol=0)
     torch.testing.assert_close(dkv_chunked, dkv_whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(delta_chunked, delta_whole, rtol=0, atol=0)
+    torch.testing.assert_close(delta_whole, delta, rtol=1e-5, atol=1e-5)
     assert torch.all(dq_whole[p.empty_rows] == 0)
 
 
@@ -281,11 +288,16 @@ def test_triton_gpu_backward_in_token_chunks_equals_one_chunk(heads, monkeypatch
         seed=heads + 3,
         requires_grad=False,
     )
-    # 100 tokens per chunk: chunk edges inside the rows, a short last chunk.
-    dq_chunked, dkv_chunked = _backward_in_chunks(p, 100 * (2 * 700 * heads * 2), monkeypatch)
-    dq_whole, dkv_whole = _backward_in_chunks(p, 1 << 30, monkeypatch)
+    # 100 tokens per chunk, the chunks alternating between two streams (their dkv atomics
+    # overlap, and each lane reuses its buffers): chunk edges inside the rows, a short last chunk.
+    (dq_chunked, dkv_chunked, delta_chunked), delta = _backward_in_chunks(
+        p, 2 * 100 * (2 * 700 * heads * 2), monkeypatch
+    )
+    (dq_whole, dkv_whole, delta_whole), _ = _backward_in_chunks(p, 1 << 30, monkeypatch)
     torch.testing.assert_close(dq_chunked, dq_whole, rtol=0, atol=0)
     assert relative_error(dkv_chunked, dkv_whole) <= 1e-5
+    torch.testing.assert_close(delta_chunked, delta_whole, rtol=0, atol=0)
+    torch.testing.assert_close(delta_whole, delta, rtol=1e-4, atol=1e-4)
 
 
 def test_int64_ids_beyond_int32_are_invalid_not_wrapped():

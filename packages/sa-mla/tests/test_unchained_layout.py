@@ -39,7 +39,7 @@ _COMPILE = textwrap.dedent(
         DKV="*fp32",
     )
     SCALARS = dict(scale="fp32", scale_log2="fp32")
-    INTS = ("heads", "keys", "width", "t0", "d0", "dims")
+    INTS = ("heads", "keys", "width", "t0")
 
     def mma_layouts(fn, const, num_stages, **options):
         signature = {{}}
@@ -73,7 +73,7 @@ _COMPILE = textwrap.dedent(
     blocks = dict(D_ROPE=64, DV=512, BLOCK_H=64, BLOCK_K=64, UPCAST=False, UNCHAIN=True)
     shipped = dkv_configs(128)[0]  # the dkv kernel as it ships: its stages and register cap
     dkv = dict(
-        WITH_VALUES=True, BLOCK_H=shipped.block_h, BLOCK_K=shipped.block_k,
+        D=576, DV=512, BLOCK_H=shipped.block_h, BLOCK_K=shipped.block_k,
         BLOCK_D=shipped.block_d, SLOT_CHUNK=shipped.slot_chunk, UPCAST=False, UNCHAIN=True,
     )
     print(json.dumps({{

@@ -5,7 +5,7 @@ import torch
 
 from sa_kernels.backend import resolve_backend
 from sa_mla.canonical import ids_as_int32, sink_gradient
-from sa_mla.triton.backward import sparse_mla_backward, sparse_mla_delta
+from sa_mla.triton.backward import sparse_mla_backward
 from sa_mla.triton.forward import sparse_mla_forward
 from sa_mla.validation import check_sparse_mla_arguments
 
@@ -33,10 +33,9 @@ class _SparseMlaTriton(torch.autograd.Function):
     def backward(ctx, dout):
         q, kv, ids, topk_length, attn_sink, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        delta = sparse_mla_delta(out, dout)
         lse_total = lse_with_sink(lse, attn_sink)
-        dq, dkv = sparse_mla_backward(
-            q, kv, ids, ctx.softmax_scale, topk_length, dout, lse_total, delta
+        dq, dkv, delta = sparse_mla_backward(
+            q, kv, ids, ctx.softmax_scale, topk_length, dout, out, lse_total
         )
         d_sink = (
             sink_gradient(attn_sink, lse, delta)

@@ -1,19 +1,21 @@
-"""Sparse MLA backward in Triton: delta = rowsum(dO * O), then per chunk of tokens the chunk's ids
-sorted (each row's valid ids ascending, padded with `keys`; the count of valid ids is the row's
-length: `ascending_valid_ids`) and two kernels.
+"""Sparse MLA backward in Triton: per chunk of tokens, the chunk's ids sorted (each row's valid ids
+ascending, padded with `keys`; the count of valid ids is the row's length: `ascending_valid_ids`)
+and two kernels.
 
-1. dq: recomputes the scores from the saved lse (log2 domain, sink included) and dP, forms
+1. dq: delta = rowsum(dO * O) for its head block (also stored, for the sink gradient); recomputes
+   the scores from the saved lse (log2 domain, sink included) and dP, forms
    ds = p * (dP - delta) * scale and adds ds · k to the head block's dq rows, kept in registers
    (3 MMAs per slot). It also writes p and ds to two buffers [tokens, width, heads] in q's dtype,
    which is what the MMAs read anyway.
 2. dkv[id] += ds^T q + p^T dO (2 MMAs) from those buffers, added with FP32 atomics (a key may be named
-   by many queries, and twice by one query).
+   by many queries, and twice by one query); all head dims in one launch, so a token's rope dims
+   read its ds tile from L2 next to its value dims.
 Five MMAs in all, as the FLOP count assumes; the previous design recomputed the scores and dP in its
 dkv kernel too (seven). The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of
-tokens. H200 figures of each step are in docs/benchmarks.md (2026-11-30).
+tokens, on two streams. H200 figures of each step are in docs/benchmarks.md (2026-11-30).
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -39,12 +41,12 @@ def _sparse_mla_delta_kernel(OUT, DOUT, DELTA, rows, DV: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _head_rows(ptr, t, stride_t, offs_h, stride_h, offs_d, rows_ok, UPCAST: tl.constexpr):
-    """Token t's rows offs_h, columns offs_d ([BLOCK_H, len(offs_d)]; zeros where not rows_ok),
-    widened to FP32 under UPCAST."""
+def _head_rows(ptr, t, stride_t, offs_h, stride_h, offs_d, rows_ok, cols_ok, UPCAST: tl.constexpr):
+    """Token t's rows offs_h, columns offs_d ([BLOCK_H, len(offs_d)]; zeros outside rows_ok x
+    cols_ok), widened to FP32 under UPCAST."""
     rows = tl.load(
         ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :],
-        mask=rows_ok[:, None],
+        mask=rows_ok[:, None] & cols_ok[None, :],
         other=0.0,
     )
     if UPCAST:
@@ -56,6 +58,7 @@ def _head_rows(ptr, t, stride_t, offs_h, stride_h, offs_d, rows_ok, UPCAST: tl.c
 def _load_query_block(
     Q,
     DOUT,
+    OUT,
     LSE2,
     DELTA,
     t,
@@ -64,6 +67,8 @@ def _load_query_block(
     stride_qh,
     stride_dot,
     stride_doh,
+    stride_ot,
+    stride_oh,
     heads,
     BLOCK_H: tl.constexpr,
     DV: tl.constexpr,
@@ -71,16 +76,21 @@ def _load_query_block(
     DR: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
+    """The head block's q (value and rope columns), dO and log2-domain lse; and its delta =
+    rowsum(dO * O) (FP32), which it also stores to DELTA for the sink gradient."""
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_v = tl.arange(0, DV)
-    q_nope = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_v, hmask, UPCAST)
+    every_v = offs_v < DV
+    q_nope = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_v, hmask, every_v, UPCAST)
     rope = tl.arange(0, DR)  # columns DV + rope
-    q_rope = _head_rows(Q + DV, t, stride_qt, offs_h, stride_qh, rope, hmask & (D_ROPE > 0), UPCAST)
-    do = _head_rows(DOUT, t, stride_dot, offs_h, stride_doh, offs_v, hmask, UPCAST)
+    q_rope = _head_rows(Q + DV, t, stride_qt, offs_h, stride_qh, rope, hmask, rope < D_ROPE, UPCAST)
+    do = _head_rows(DOUT, t, stride_dot, offs_h, stride_doh, offs_v, hmask, every_v, UPCAST)
+    out = _head_rows(OUT, t, stride_ot, offs_h, stride_oh, offs_v, hmask, every_v, UPCAST)
+    delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + t * heads + offs_h, delta, mask=hmask)
     # lse2: log2-domain lse including the sink, +inf for rows with no valid slot (their p is then 0).
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
-    delta = tl.load(DELTA + t * heads + offs_h, mask=hmask, other=0.0)
     return offs_h, hmask, q_nope, q_rope, do, lse2, delta
 
 
@@ -108,6 +118,7 @@ def _sparse_mla_bwd_dq_kernel(
     IDX,
     LENGTHS,
     DOUT,
+    OUT,
     LSE2,
     DELTA,
     DQ,
@@ -119,6 +130,8 @@ def _sparse_mla_bwd_dq_kernel(
     stride_it,
     stride_dot,
     stride_doh,
+    stride_ot,
+    stride_oh,
     stride_dqt,
     stride_dqh,
     stride_pt,
@@ -146,6 +159,7 @@ def _sparse_mla_bwd_dq_kernel(
     offs_h, hmask, q_nope, q_rope, do, lse2, delta = _load_query_block(
         Q,
         DOUT,
+        OUT,
         LSE2,
         DELTA,
         t,
@@ -154,6 +168,8 @@ def _sparse_mla_bwd_dq_kernel(
         stride_qh,
         stride_dot,
         stride_doh,
+        stride_ot,
+        stride_oh,
         heads,
         BLOCK_H,
         DV,
@@ -229,11 +245,10 @@ def _sparse_mla_bwd_dkv_kernel(
     stride_pt,
     stride_dkvt,
     t0,
-    d0,
-    dims,
     heads,
     keys,
-    WITH_VALUES: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -241,16 +256,15 @@ def _sparse_mla_bwd_dkv_kernel(
     UPCAST: tl.constexpr,
     UNCHAIN: tl.constexpr,
 ):
-    """dkv[id_j, d] += ds_j^T q[:, d] (+ p_j^T dO[:, d] WITH_VALUES) for the BLOCK_D dims
-    d0 + d_block * BLOCK_D + [0, BLOCK_D) of the `dims` from d0, added atomically per slot (FP32),
-    for one head block of one token (from t0) and one range of SLOT_CHUNK slots (0: the whole
-    row). The block's q and dO columns are loaded once and stay in
-    shared memory as the B operands; the slot blocks' p and ds tiles stream through (the dim blocks of
-    one token and head block are neighbours in the grid, so they find those tiles in L2)."""
+    """dkv[id_j, d] += ds_j^T q[:, d] + p_j^T dO[:, d] (the second term for the DV value dims only)
+    for the BLOCK_D dims d_block * BLOCK_D + [0, BLOCK_D) of the D head dims, added atomically per
+    slot (FP32), for one head block of one token (from t0) and one range of SLOT_CHUNK slots (0: the
+    whole row). The block's q and dO columns are loaded once and stay in shared memory as the B
+    operands; the slot blocks' p and ds tiles stream through (the dim blocks of one token and head
+    block, rope dims included, are neighbours in the grid, so they find those tiles in L2)."""
     # Grid x: a token's dim blocks, then its head blocks, next to each other (tokens never on y or
-    # z, which stop at 65535); grid y, launched last: the slot ranges. BLOCK_D and `dims` (512 or
-    # 64) are powers of two, BLOCK_D <= dims: the blocks tile the dims exactly.
-    dim_blocks = tl.cdiv(dims, BLOCK_D)
+    # z, which stop at 65535); grid y, launched last: the slot ranges.
+    dim_blocks = tl.cdiv(D, BLOCK_D)
     d_block = tl.program_id(0) % dim_blocks
     rest = tl.program_id(0) // dim_blocks
     hb = rest % tl.cdiv(heads, BLOCK_H)
@@ -258,10 +272,13 @@ def _sparse_mla_bwd_dkv_kernel(
     slot_range = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
-    offs_d = d0 + d_block * BLOCK_D + tl.arange(0, BLOCK_D)
-    q_part = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_d, hmask, UPCAST)
-    if WITH_VALUES:
-        do_part = _head_rows(DOUT, t, stride_dot, offs_h, stride_doh, offs_d, hmask, UPCAST)
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_dims = offs_d < D
+    q_part = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_d, hmask, in_dims, UPCAST)
+    # dO has DV columns: zeros in the rope dims, so the p dot adds nothing there.
+    do_part = _head_rows(
+        DOUT, t, stride_dot, offs_h, stride_doh, offs_d, hmask, offs_d < DV, UPCAST
+    )
     lse2 = tl.load(LSE2 + t * heads + offs_h, mask=hmask, other=float("inf"))
     length = _slot_length(LENGTHS, t - t0, tl.min(lse2, axis=0) == float("inf"))
     idx_row = IDX + (t - t0) * stride_it
@@ -280,19 +297,20 @@ def _sparse_mla_bwd_dkv_kernel(
         at = slots[:, None] * heads + offs_h[None, :]
         written = (slots < length)[:, None] & hmask[None, :]
         ds_t = tl.load(ds_tile + at, mask=written, other=0.0)
+        p_t = tl.load(p_tile + at, mask=written, other=0.0)
         if UPCAST:
             ds_t = ds_t.to(tl.float32)
-        if WITH_VALUES:
-            # This dot's result is the next one's accumulator: not a chain (see `chain_break`).
-            dkv = chain_break(tl.dot(ds_t, q_part), start < length, UNCHAIN)
-            p_t = tl.load(p_tile + at, mask=written, other=0.0)
-            if UPCAST:
-                p_t = p_t.to(tl.float32)
-            dkv = tl.dot(p_t, do_part, dkv)
-        else:
-            dkv = tl.dot(ds_t, q_part)
+            p_t = p_t.to(tl.float32)
+        # This dot's result is the next one's accumulator: not a chain (see `chain_break`).
+        dkv = chain_break(tl.dot(ds_t, q_part), start < length, UNCHAIN)
+        dkv = tl.dot(p_t, do_part, dkv)
         dkv_row = DKV + ids.to(tl.int64) * stride_dkvt
-        tl.atomic_add(dkv_row[:, None] + offs_d[None, :], dkv, mask=valid[:, None], sem="relaxed")
+        tl.atomic_add(
+            dkv_row[:, None] + offs_d[None, :],
+            dkv,
+            mask=valid[:, None] & in_dims[None, :],
+            sem="relaxed",
+        )
 
 
 def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
@@ -343,8 +361,19 @@ def _dkv_launch_config(config: LaunchConfig, dims: int, width: int) -> LaunchCon
 
 
 # The p and ds buffers ([tokens, width, heads] each, in q's dtype) hold at most this many bytes
-# together; longer inputs run in chunks of tokens (1024 tokens at width 2048, 128 heads, bf16).
+# together, split between two lanes of token chunks (512 tokens per chunk at width 2048, 128 heads,
+# bf16); longer inputs run in several chunks.
 SCORE_BUFFER_BYTES = 1 << 30
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One second stream per device, kept: the chunk temporaries it allocates return to its own
+    pool of the caching allocator, which a fresh stream per call would strand."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def sparse_mla_backward(
@@ -354,64 +383,109 @@ def sparse_mla_backward(
     softmax_scale: float,
     topk_length: torch.Tensor | None,
     dout: torch.Tensor,
+    out: torch.Tensor,
     lse_total: torch.Tensor,
-    delta: torch.Tensor,
     dq_config: LaunchConfig | None = None,
     dkv_config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dq [T, H, D] q.dtype, dkv [T_kv, D] fp32).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq [T, H, D] q.dtype, dkv [T_kv, D] fp32, delta [T, H] fp32 = rowsum(dO * O)).
 
-    lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows);
-    delta [T, H] fp32 is `sparse_mla_delta(out, dout)`. The configs (tests and sweeps) replace the
-    launch lists of `sa_mla.triton.launch`.
+    q [T, H, D], kv [T_kv, D], dout and out [T, H, 512] (unit last stride), ids [T, W] int;
+    lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows). The
+    configs (tests and sweeps) replace the launch lists of `sa_mla.triton.launch`.
+
+    Token chunks alternate between two lanes, each with its own p/ds buffers and, on CUDA, its own
+    stream (the caller's and a second one), so one chunk's dkv kernel fills the tail of the other
+    chunk's dq wave instead of leaving SMs idle at every kernel boundary.
     """
     tokens, heads, head_dim = q.shape
     width = ids.shape[1]
-    dq = torch.empty_like(q)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    if tokens == 0:
-        return dq, dkv
-    lse2 = (lse_total * LOG2E).contiguous()
+    dkv_base = [dkv_config] if dkv_config is not None else dkv_configs(heads)
     flags = (heads, head_dim, q.dtype)
+    work = _Backward(
+        q=q,
+        kv=kv,
+        ids=ids,
+        softmax_scale=float(softmax_scale),
+        topk_length=topk_length,
+        dout=dout,
+        out=out,
+        lse2=(lse_total * LOG2E).contiguous(),
+        dq=torch.empty_like(q),
+        dkv=torch.zeros(kv.shape, dtype=torch.float32, device=kv.device),
+        delta=torch.empty(tokens, heads, dtype=torch.float32, device=q.device),
+        dq_configs=[dq_config] if dq_config is not None else dq_configs(heads),
+        dq_key=None if dq_config is not None else ("dq", *flags),
+        dkv_configs=[_dkv_launch_config(c, head_dim, width) for c in dkv_base],
+        dkv_key=None if dkv_config is not None else ("dkv", *flags),
+    )
     token_bytes = 2 * width * heads * q.element_size()
     # At most 2**20 tokens per chunk keeps the grids' x axes (at most 9 dim blocks per head block
     # and token) far below CUDA's 2**31 - 1 programs; the dkv grid's y axis (slot ranges) is kept
     # within 65535 by `_dkv_launch_config`.
-    chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // max(1, token_bytes), 1 << 20))
-    p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
-    ds = torch.empty_like(p)
-    stride_pt = width * heads
-    # The dkv launches: the value dims (ds^T q + p^T dO) in blocks of block_d, then the rope dims
-    # (ds^T q); block_d is the config's (64 where it names none), at most the launch's dims.
-    dkv_base = [dkv_config] if dkv_config is not None else dkv_configs(heads)
-    dkv_launches = [
-        (d0, dims, with_values, [_dkv_launch_config(c, dims, width) for c in dkv_base])
-        for d0, dims, with_values in (
-            (0, VALUE_DIM, True),
-            (VALUE_DIM, head_dim - VALUE_DIM, False),
-        )
-        if dims > 0
-    ]
-    for t0 in range(0, tokens, chunk):
-        n = min(chunk, tokens - t0)
-        chunk_ids, lengths = ascending_valid_ids(
-            ids[t0 : t0 + n],
-            kv.shape[0],
-            None if topk_length is None else topk_length[t0 : t0 + n],
-        )
+    chunk = max(1, min(tokens, SCORE_BUFFER_BYTES // 2 // max(1, token_bytes), 1 << 20))
+    starts = range(0, tokens, chunk)
+    buffers = []
+    for _ in range(min(2, len(starts))):
+        p = torch.empty(chunk, width, heads, dtype=q.dtype, device=q.device)
+        buffers.append((p, torch.empty_like(p)))
+    streams = [None] * len(buffers)
+    if q.is_cuda and len(buffers) == 2:
+        streams = [torch.cuda.current_stream(q.device), _side_stream(q.device)]
+        streams[1].wait_stream(streams[0])
+    for i, t0 in enumerate(starts):
+        lane = i % len(buffers)
+        with torch.cuda.stream(streams[lane]):
+            work.run_chunk(t0, min(chunk, tokens - t0), *buffers[lane])
+    if streams[0] is not None:
+        streams[0].wait_stream(streams[1])
+    return work.dq, work.dkv, work.delta
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """What every token chunk of one backward shares: its inputs, its outputs (dq, dkv and delta,
+    written chunk by chunk) and the launch lists."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    ids: torch.Tensor
+    softmax_scale: float
+    topk_length: torch.Tensor | None
+    dout: torch.Tensor
+    out: torch.Tensor
+    lse2: torch.Tensor  # log2-domain lse_total
+    dq: torch.Tensor
+    dkv: torch.Tensor
+    delta: torch.Tensor
+    dq_configs: list[LaunchConfig]
+    dq_key: tuple | None
+    dkv_configs: list[LaunchConfig]
+    dkv_key: tuple | None
+
+    def run_chunk(self, t0: int, n: int, p: torch.Tensor, ds: torch.Tensor) -> None:
+        """Tokens [t0, t0 + n), on the current stream: their ids sorted, then the dq kernel (writing
+        p, ds and delta) and the dkv kernel."""
+        q, kv, dout, out = self.q, self.kv, self.dout, self.out
+        heads, head_dim = q.shape[1:]
+        width = self.ids.shape[1]
+        lengths = None if self.topk_length is None else self.topk_length[t0 : t0 + n]
+        chunk_ids, lengths = ascending_valid_ids(self.ids[t0 : t0 + n], kv.shape[0], lengths)
+        stride_pt = width * heads
         _launch(
             _sparse_mla_bwd_dq_kernel,
-            None if dq_config is not None else ("dq", *flags),
-            [dq_config] if dq_config is not None else dq_configs(heads),
-            lambda c, n=n: (triton.cdiv(heads, c.block_h) * n,),
+            self.dq_key,
+            self.dq_configs,
+            lambda c: (triton.cdiv(heads, c.block_h) * n,),
             q,
             kv,
             chunk_ids,
             lengths,
             dout,
-            lse2,
-            delta,
-            dq,
+            out,
+            self.lse2,
+            self.delta,
+            self.dq,
             p,
             ds,
             q.stride(0),
@@ -420,47 +494,46 @@ def sparse_mla_backward(
             chunk_ids.stride(0),
             dout.stride(0),
             dout.stride(1),
-            dq.stride(0),
-            dq.stride(1),
+            out.stride(0),
+            out.stride(1),
+            self.dq.stride(0),
+            self.dq.stride(1),
             stride_pt,
             t0,
             heads,
             kv.shape[0],
-            float(softmax_scale),
-            float(softmax_scale) * LOG2E,
+            self.softmax_scale,
+            self.softmax_scale * LOG2E,
             D_ROPE=head_dim - VALUE_DIM,
             DR=64,
             DV=VALUE_DIM,
         )
-        for d0, dims, with_values, configs in dkv_launches:
-            _launch(
-                _sparse_mla_bwd_dkv_kernel,
-                None if dkv_config is not None else ("dkv", with_values, *flags),
-                configs,
-                lambda c, n=n, dims=dims: (
-                    triton.cdiv(dims, c.block_d) * triton.cdiv(heads, c.block_h) * n,
-                    triton.cdiv(width, c.slot_chunk) if c.slot_chunk else 1,
-                ),
-                q,
-                dout,
-                chunk_ids,
-                lengths,
-                lse2,
-                p,
-                ds,
-                dkv,
-                q.stride(0),
-                q.stride(1),
-                chunk_ids.stride(0),
-                dout.stride(0),
-                dout.stride(1),
-                stride_pt,
-                dkv.stride(0),
-                t0,
-                d0,
-                dims,
-                heads,
-                kv.shape[0],
-                WITH_VALUES=with_values,
-            )
-    return dq, dkv
+        _launch(
+            _sparse_mla_bwd_dkv_kernel,
+            self.dkv_key,
+            self.dkv_configs,
+            lambda c: (
+                triton.cdiv(head_dim, c.block_d) * triton.cdiv(heads, c.block_h) * n,
+                triton.cdiv(width, c.slot_chunk) if c.slot_chunk else 1,
+            ),
+            q,
+            dout,
+            chunk_ids,
+            lengths,
+            self.lse2,
+            p,
+            ds,
+            self.dkv,
+            q.stride(0),
+            q.stride(1),
+            chunk_ids.stride(0),
+            dout.stride(0),
+            dout.stride(1),
+            stride_pt,
+            self.dkv.stride(0),
+            t0,
+            heads,
+            kv.shape[0],
+            D=head_dim,
+            DV=VALUE_DIM,
+        )
