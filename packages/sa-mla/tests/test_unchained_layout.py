@@ -77,7 +77,7 @@ _COMPILE = textwrap.dedent(
         BLOCK_D=shipped.block_d, SLOT_CHUNK=shipped.slot_chunk, UPCAST=False, UNCHAIN=True,
     )
     print(json.dumps({{
-        "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_LEN=False, HAS_SINK=True), 3),
+        "forward": mma_layouts(_sparse_mla_fwd_kernel, dict(blocks, HAS_LEN=False, HAS_SINK=True), 2),
         "dq": mma_layouts(_sparse_mla_bwd_dq_kernel, dict(blocks, DR=64), 1),
         "dkv": mma_layouts(
             _sparse_mla_bwd_dkv_kernel, dkv, shipped.num_stages, maxnreg=shipped.max_registers

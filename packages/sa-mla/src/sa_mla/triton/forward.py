@@ -69,9 +69,16 @@ def _sparse_mla_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    # Each block's ids are loaded one block ahead: the pipelined key gathers then start a block
+    # earlier (H200, docs/benchmarks.md 2026-11-30: 8.19 -> 8.04 ms at the goal's shape).
+    next_ids = tl.load(
+        idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < length, other=-1
+    )
     for start in range(0, length, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
-        ids = tl.load(idx_row + slots, mask=slots < length, other=-1)
+        ids = next_ids
+        following = slots + BLOCK_K
+        next_ids = tl.load(idx_row + following, mask=following < length, other=-1)
         valid = (ids >= 0) & (ids < keys) & (slots < length)
         kv_row = KV + ids.to(tl.int64) * stride_kvt
         k_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)
