@@ -98,7 +98,12 @@ def _sparse_mla_triton(
     resolve_backend("sparse_mla_triton", "triton", q, kv_latent, topk_indices)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    ids = ids_as_int32(topk_indices[:, 0], kv_latent.shape[0]).contiguous()
+    ids = topk_indices[:, 0]
+    if ids.dtype != torch.int32:
+        # The kernels treat ids outside [0, keys) as invalid themselves; wider ids are judged
+        # before they are narrowed (2**32 + 3 must not become 3).
+        ids = ids_as_int32(ids, kv_latent.shape[0])
+    ids = ids.contiguous()
     lengths = topk_length.to(torch.int32).contiguous() if topk_length is not None else None
     sink = attn_sink.contiguous() if attn_sink is not None else None
     return _SparseMlaTriton.apply(q, kv_latent, ids, float(softmax_scale), lengths, sink)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from sa_mla.triton.forward import LOG2E, VALUE_DIM
 from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
+from sa_mla.triton.sorted_ids import ascending_valid_ids
 from sa_mla.triton.unchained import chain_break
 
 
@@ -333,27 +334,6 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         out, dout, delta, rows, DV=VALUE_DIM, BLOCK_R=block_r
     )
     return delta
-
-
-def ascending_valid_ids(
-    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
-    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
-    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
-    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
-
-    The backward walks these rows: its kernels skip the invalid tail, and with ascending ids the dkv
-    programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which
-    stay in L2 (H200, docs/benchmarks.md 2026-11-30: the backward from 27.67 to 26.59 ms, the
-    sort's 0.19 ms included).
-    """
-    valid = (ids >= 0) & (ids < keys)
-    if topk_length is not None:
-        slots = torch.arange(ids.shape[1], device=ids.device)
-        valid &= slots[None, :] < topk_length[:, None]
-    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values
-    return ordered, valid.sum(dim=1, dtype=torch.int32)
 
 
 def _dkv_launch_config(config: LaunchConfig, dims: int, width: int) -> LaunchConfig:
