@@ -5,10 +5,21 @@ import pytest
 import torch
 
 from sa_mla.triton import sorted_ids
-from sa_mla.triton.sorted_ids import ascending_valid_ids, ascending_valid_ids_reference
+from sa_mla.triton.sorted_ids import (
+    ascending_valid_ids,
+    ascending_valid_ids_reference,
+    kernel_runs,
+)
 
+# Without CUDA or the interpreter `ascending_valid_ids` is the reference itself: nothing to compare.
+KERNEL = pytest.mark.skipif(
+    not kernel_runs(torch.empty(0, dtype=torch.int32)),
+    reason="the marking kernel needs CUDA or TRITON_INTERPRET=1",
+)
 BOTH = pytest.mark.parametrize(
-    "sort", [ascending_valid_ids_reference, ascending_valid_ids], ids=["reference", "kernel"]
+    "sort",
+    [ascending_valid_ids_reference, pytest.param(ascending_valid_ids, marks=KERNEL)],
+    ids=["reference", "kernel"],
 )
 
 
@@ -35,6 +46,7 @@ def test_each_rows_valid_ids_ascending_then_keys_and_their_count(sort):
     assert counts.tolist() == [2]
 
 
+@KERNEL
 @pytest.mark.parametrize("width", [1, 7, 64, 100])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("with_lengths", [False, True])
@@ -46,6 +58,15 @@ def test_kernel_equals_reference_on_random_rows(width, id_dtype, with_lengths):
     expected = ascending_valid_ids_reference(ids, keys, lengths)
     got = ascending_valid_ids(ids, keys, None if lengths is None else lengths.to(torch.int32))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@KERNEL
+def test_strided_topk_length_is_read_per_row():
+    ids = torch.tensor([[4, 1, 3, 0], [2, 2, 9, 1], [0, 1, 2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([[9, 2], [9, 4], [9, 0]], dtype=torch.int32)[:, 1]  # stride 2
+    ordered, counts = ascending_valid_ids(ids, 5, lengths)
+    assert ordered.tolist() == [[1, 4, 5, 5], [1, 2, 2, 5], [5, 5, 5, 5]]
+    assert counts.tolist() == [2, 3, 0]
 
 
 def test_rows_wider_than_the_kernel_take_the_reference(monkeypatch):

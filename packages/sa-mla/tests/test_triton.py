@@ -1,5 +1,7 @@
 """The Triton path against the oracle: small shapes through the interpreter on CPU, real shapes on CUDA."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -208,6 +210,49 @@ def test_dkv_slot_ranges_must_be_whole_slot_blocks_and_fit_grid_y():
     assert wide.slot_chunk % 64 == 0 and -(-(2**25 + 2**20) // wide.slot_chunk) <= 65_535
     assert triton_backward._dkv_launch_config(config, 64, 2048).slot_chunk == 128
     assert triton_backward._dkv_launch_config(config, 64, 0).slot_chunk is None
+    # Dim blocks stay powers of two however wide the config asks (the kernel masks dims past D).
+    assert (
+        triton_backward._dkv_launch_config(replace(config, block_d=4096), 576, 32).block_d == 1024
+    )
+    assert triton_backward._dkv_launch_config(replace(config, block_d=None), 576, 32).block_d == 64
+
+
+def test_triton_backward_of_zero_tokens():
+    p = random_problem(0, 4, 576, 20, 10, sink=True, dtype=torch.float32, seed=3)
+    out = sparse_mla_triton(*p.args(), attn_sink=p.attn_sink)
+    dq, dkv, dsink = torch.autograd.grad(out.sum(), [p.q, p.kv_latent, p.attn_sink])
+    assert dq.shape == p.q.shape and not dkv.any() and not dsink.any()
+
+
+@pytest.mark.gpu
+def test_triton_backward_on_a_caller_stream_and_in_a_cuda_graph(monkeypatch):
+    """Five chunks over the two lanes, run on the default stream, on a stream of the caller's, and
+    captured in a CUDA graph and replayed: the same dq and delta, dkv up to FP32 atomic order."""
+    p = random_problem(301, 16, 576, 2000, 256, sink=True, device="cuda", seed=5)
+    q, kv, ids = p.q.detach(), p.kv_latent.detach()[:, 0], p.topk_indices[:, 0].contiguous()
+    out, lse = sparse_mla_forward(q, kv, ids, p.softmax_scale, None, p.attn_sink)
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dout = dout.to(out.dtype)
+    lse_total = lse_with_sink(lse, p.attn_sink)
+    monkeypatch.setattr(triton_backward, "SCORE_BUFFER_BYTES", 2 * 64 * (2 * 256 * 16 * 2))
+    run = lambda: triton_backward.sparse_mla_backward(
+        q, kv, ids, p.softmax_scale, None, dout, out, lse_total
+    )
+    expected = run()
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        on_caller = run()
+    torch.cuda.current_stream().wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (on_caller, captured):
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+        assert relative_error(got[1], expected[1]) <= 1e-5
+        torch.testing.assert_close(got[2], expected[2], rtol=0, atol=0)
 
 
 GPU_CASES = [

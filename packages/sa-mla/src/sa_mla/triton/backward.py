@@ -9,7 +9,8 @@ and two kernels.
    which is what the MMAs read anyway.
 2. dkv[id] += ds^T q + p^T dO (2 MMAs) from those buffers, added with FP32 atomics (a key may be named
    by many queries, and twice by one query); all head dims in one launch, so a token's rope dims
-   read its ds tile from L2 next to its value dims.
+   read its ds tile from L2 next to its value dims (their p dot, against zero dO columns, adds
+   nothing: one MMA in 18 at D 576 that the FLOP count does not include).
 Five MMAs in all, as the FLOP count assumes; the previous design recomputed the scores and dP in its
 dkv kernel too (seven). The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of
 tokens, on two streams. H200 figures of each step are in docs/benchmarks.md (2026-11-30).
@@ -82,7 +83,7 @@ def _load_query_block(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_v = tl.arange(0, DV)
-    every_v = offs_v < DV
+    every_v = offs_v < DV  # all true: `_head_rows` takes a column mask
     q_nope = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_v, hmask, every_v, UPCAST)
     rope = tl.arange(0, DR)  # columns DV + rope
     q_rope = _head_rows(Q + DV, t, stride_qt, offs_h, stride_qh, rope, hmask, rope < D_ROPE, UPCAST)
@@ -152,8 +153,9 @@ def _sparse_mla_bwd_dq_kernel(
     """dq[t, h] = sum_j ds_j k_j with ds_j = scale * p_j (dO . v_j - delta) over the token's valid
     slots, for one token (from t0) and one head block, whose whole dq rows stay in
     registers. Also writes p and ds (in P's dtype) to P/DS[t − t0, slot, head] for the `length`
-    slots of the token's sorted row (all of them valid ids), for the dkv kernel; nothing for a token
-    whose heads are all empty.
+    slots of the token's sorted row (all of them valid ids), for the dkv kernel (nothing for a token
+    whose heads are all empty), and DELTA[t, head] for every token, empty ones included (the sink
+    gradient reads it).
     """
     hb = tl.program_id(0) % tl.cdiv(heads, BLOCK_H)  # 1-D grid, as in the forward kernel
     t = t0 + (tl.program_id(0) // tl.cdiv(heads, BLOCK_H)).to(tl.int64)
@@ -283,8 +285,8 @@ def _sparse_mla_bwd_dkv_kernel(
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     in_dims = offs_d < D
     q_part = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_d, hmask, in_dims, UPCAST)
-    # dO has DV columns: zeros in the rope dims, so the p dot adds nothing there, and a rope dim
-    # block loads no p (its masked-off loads cost no memory traffic; the dot adds zeros).
+    # dO has DV columns: zeros in the rope dims, where the p dot then adds nothing. (Masking off a
+    # rope block's p loads as well measured slower: docs/benchmarks.md, 2026-11-30.)
     do_part = _head_rows(
         DOUT, t, stride_dot, offs_h, stride_doh, offs_d, hmask, offs_d < DV, UPCAST
     )
@@ -323,7 +325,9 @@ def _sparse_mla_bwd_dkv_kernel(
 
 
 def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """FP32 [T, H]: sum over the 512 value dims of dout * out (both contiguous [T, H, 512])."""
+    """FP32 [T, H]: sum over the 512 value dims of dout * out (both contiguous [T, H, 512]). For the
+    fused cuDNN path's sink gradient (`canonical.row_dot`); this backward computes it in its dq
+    kernel."""
     tokens, heads, _ = out.shape
     delta = torch.empty(tokens, heads, dtype=torch.float32, device=out.device)
     rows = tokens * heads
@@ -338,9 +342,10 @@ def sparse_mla_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 def _dkv_launch_config(config: LaunchConfig, dims: int, width: int) -> LaunchConfig:
     """`config` for a dkv launch over `dims` dims of rows `width` slots wide: block_d the config's (64
-    where it names none), at most `dims`; slot ranges widened, in whole slot blocks, until at most
-    65535 of them cover the row (CUDA's limit on grid y); none for an empty row."""
-    block_d = min(config.block_d or 64, dims)
+    where it names none), at most the power of two that covers `dims` (the kernel masks the dims
+    beyond); slot ranges widened, in whole slot blocks, until at most 65535 of them cover the row
+    (CUDA's limit on grid y); none for an empty row."""
+    block_d = min(config.block_d or 64, triton.next_power_of_2(dims))
     slot_chunk = config.slot_chunk
     if slot_chunk is not None:
         fewest = triton.cdiv(triton.cdiv(width, 65535), config.block_k) * config.block_k
@@ -356,10 +361,12 @@ SCORE_BUFFER_BYTES = 1 << 30
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream per device, kept: the chunk temporaries it allocates return to its own
-    pool of the caching allocator, which a fresh stream per call would strand."""
-    if device not in _SIDE_STREAMS:
+def _side_stream(device: torch.device, caller: torch.cuda.Stream) -> torch.cuda.Stream:
+    """A second stream on `device`, other than `caller`'s. Kept from call to call: the chunk
+    temporaries allocated on it go back to its own pool of the caching allocator, where the next
+    call finds them. (torch hands out streams from a pool of 32 in turn, so the one kept may be the
+    caller's own: then the next one is drawn.)"""
+    if device not in _SIDE_STREAMS or _SIDE_STREAMS[device] == caller:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
 
@@ -378,9 +385,10 @@ def sparse_mla_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq [T, H, D] q.dtype, dkv [T_kv, D] fp32, delta [T, H] fp32 = rowsum(dO * O)).
 
-    q [T, H, D], kv [T_kv, D], dout and out [T, H, 512] (unit last stride), ids [T, W] int;
-    lse_total [T, H] fp32 is the natural-log lse including the sink (+inf for empty rows). The
-    configs (tests and sweeps) replace the launch lists of `sa_mla.triton.launch`.
+    q [T, H, D], kv [T_kv, D], dout and out [T, H, 512] (unit last stride), ids [T, W] int,
+    topk_length [T] int or None; lse_total [T, H] fp32 is the natural-log lse including the sink
+    (+inf for empty rows). The configs (tests and sweeps) replace the launch lists of
+    `sa_mla.triton.launch`.
 
     Token chunks alternate between two lanes, each with its own p/ds buffers and, on CUDA, its own
     stream (the caller's and a second one), so one chunk's dkv kernel fills the tail of the other
@@ -407,6 +415,8 @@ def sparse_mla_backward(
         dkv_configs=[_dkv_launch_config(c, head_dim, width) for c in dkv_base],
         dkv_key=None if dkv_config is not None else ("dkv", *flags),
     )
+    if tokens == 0:
+        return work.dq, work.dkv, work.delta
     token_bytes = 2 * width * heads * q.element_size()
     # At most 2**20 tokens per chunk keeps the grids' x axes (at most 9 dim blocks per head block
     # and token) far below CUDA's 2**31 - 1 programs; the dkv grid's y axis (slot ranges) is kept
@@ -419,14 +429,19 @@ def sparse_mla_backward(
         buffers.append((p, torch.empty_like(p)))
     streams = [None] * len(buffers)
     if q.is_cuda and len(buffers) == 2:
-        streams = [torch.cuda.current_stream(q.device), _side_stream(q.device)]
-        streams[1].wait_stream(streams[0])
-    for i, t0 in enumerate(starts):
-        lane = i % len(buffers)
-        with torch.cuda.stream(streams[lane]):
-            work.run_chunk(t0, min(chunk, tokens - t0), *buffers[lane])
-    if streams[0] is not None:
-        streams[0].wait_stream(streams[1])
+        caller = torch.cuda.current_stream(q.device)
+        streams = [caller, _side_stream(q.device, caller)]
+        streams[1].wait_stream(caller)
+    try:
+        for i, t0 in enumerate(starts):
+            lane = i % len(buffers)
+            with torch.cuda.stream(streams[lane]):
+                work.run_chunk(t0, min(chunk, tokens - t0), *buffers[lane])
+    finally:
+        # Joined even when a launch raises: the buffers (from the caller's pool) must not be
+        # handed out again while the second stream may still use them.
+        if streams[0] is not None:
+            streams[0].wait_stream(streams[1])
     return work.dq, work.dkv, work.delta
 
 
@@ -457,8 +472,8 @@ class _Backward:
         q, kv, dout, out = self.q, self.kv, self.dout, self.out
         heads, head_dim = q.shape[1:]
         width = self.ids.shape[1]
-        lengths = None if self.topk_length is None else self.topk_length[t0 : t0 + n]
-        chunk_ids, lengths = ascending_valid_ids(self.ids[t0 : t0 + n], kv.shape[0], lengths)
+        topk_length = None if self.topk_length is None else self.topk_length[t0 : t0 + n]
+        chunk_ids, lengths = ascending_valid_ids(self.ids[t0 : t0 + n], kv.shape[0], topk_length)
         stride_pt = width * heads
         _launch(
             _sparse_mla_bwd_dq_kernel,

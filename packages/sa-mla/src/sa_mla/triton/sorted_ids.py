@@ -61,6 +61,11 @@ def _valid_ids_or_keys_kernel(
     tl.store(COUNTS + row, tl.sum(valid.to(tl.int32), axis=0))
 
 
+def kernel_runs(ids: torch.Tensor) -> bool:
+    """Whether the marking kernel can run on `ids`: CUDA tensors, or CPU ones under the interpreter."""
+    return ids.is_cuda or (triton_interpret() and ids.device.type == "cpu")
+
+
 def ascending_valid_ids(
     ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +73,10 @@ def ascending_valid_ids(
     kernel on CUDA or under the interpreter, for rows up to MAX_KERNEL_WIDTH slots with unit
     stride; elsewhere the reference."""
     rows, width = ids.shape
-    runs_kernel = ids.is_cuda or (triton_interpret() and ids.device.type == "cpu")
-    if not runs_kernel or width > MAX_KERNEL_WIDTH or ids.stride(1) != 1 or rows * width == 0:
+    if not kernel_runs(ids) or width > MAX_KERNEL_WIDTH or ids.stride(1) != 1 or rows * width == 0:
         return ascending_valid_ids_reference(ids, keys, topk_length)
+    if topk_length is not None:
+        topk_length = topk_length.contiguous()  # the kernel reads one entry per row
     marked = torch.empty(rows, width, dtype=torch.int32, device=ids.device)
     counts = torch.empty(rows, dtype=torch.int32, device=ids.device)
     block = triton.next_power_of_2(width)
