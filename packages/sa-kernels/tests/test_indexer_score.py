@@ -161,6 +161,31 @@ def test_resident_config_runs_the_tiles_kernel_when_dim_exceeds_256():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_bounds", [False, True])
+def test_tiles_kernel_runs_calls_beyond_grid_y_in_slices_of_queries(monkeypatch, with_bounds):
+    """37 queries of 8 per block with at most 2 blocks per launch: three slices (16, 16, 5), the
+    same bits as one launch."""
+    query, weights, summary = _inputs(2, 40, 2, 3, 40, 150, seed=23)
+    bounds = _candidate_bounds(2, 37, 150) if with_bounds else None
+    cfg = dict(triton_kernels._INTERPRET_CONFIG)
+    whole = torch.full((2, 2, 37, 150), float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 3, 40, whole, bounds, _config=cfg)
+    launches = []
+    real_kernel = triton_kernels._indexer_score_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real_kernel[grid]
+
+    monkeypatch.setattr(triton_kernels, "MAX_QUERY_BLOCKS", 2)
+    monkeypatch.setattr(triton_kernels, "_indexer_score_kernel", Recorder())
+    sliced = torch.full_like(whole, float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 3, 40, sliced, bounds, _config=cfg)
+    assert [grid[1] for grid in launches] == [2, 2, 1]
+    assert torch.equal(sliced, whole)
+
+
 def _candidate_bounds(batch, n_q, regions, device="cpu", seed=0):
     """Per-query windows `[first, past)` over the regions, with the edges that matter: empty windows,
     windows reaching past either end, a whole row, and a single region."""

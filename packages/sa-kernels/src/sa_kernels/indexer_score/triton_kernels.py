@@ -354,12 +354,28 @@ def _bound_args(bounds, out) -> tuple:
     return first, past, first.stride(0)
 
 
+# CUDA's grid y (the tiles kernel's query blocks) stops at 65535 blocks.
+MAX_QUERY_BLOCKS = 65535
+
+
 def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision):
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
-    first, past, bounds_batch_stride = _bound_args(bounds, out)
     # A program holds whole queries: at least one query's padded heads per block of rows.
     cfg["BLOCK_M"] = max(cfg["BLOCK_M"], hp)
+    slice_queries = MAX_QUERY_BLOCKS * (cfg["BLOCK_M"] // hp)
+    if n_q > slice_queries:
+        # Longer calls (above 2M queries at 32 per block) run in slices of queries, each scored
+        # into a block of its own (the kernel addresses out as [B, G, n_q, R]) and copied over.
+        for q0 in range(0, n_q, slice_queries):
+            n = min(slice_queries, n_q - q0)
+            part = out.new_empty(batch, groups, n, regions)
+            part_bounds = None if bounds is None else tuple(b[:, q0 : q0 + n] for b in bounds)
+            args = (start + q0, n, part, part_bounds, cfg, hp, interpret, precision)
+            _launch_tiles(query, weights, summary, *args)
+            out[:, :, q0 : q0 + n] = part
+        return
+    first, past, bounds_batch_stride = _bound_args(bounds, out)
     grid = (
         triton.cdiv(regions, cfg["BLOCK_R"]),
         triton.cdiv(n_q, cfg["BLOCK_M"] // hp),
