@@ -65,6 +65,23 @@ def ids_as_int32(topk_indices: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.where(valid, topk_indices.to(torch.int32), -1)
 
 
+def ascending_valid_ids_reference(
+    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
+    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
+    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
+    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
+    The definition behind `canonical_topk`'s compaction and the Triton backward's sorted rows
+    (`sa_mla.triton.sorted_ids`)."""
+    valid = (ids >= 0) & (ids < keys)
+    if topk_length is not None:
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        valid &= slots[None, :] < topk_length[:, None]
+    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values  # int32 sorts faster
+    return ordered, valid.sum(dim=1, dtype=torch.int32)
+
+
 def canonical_topk(
     topk_indices: torch.Tensor, keys: int, topk_length: torch.Tensor | None, multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,11 +93,8 @@ def canonical_topk(
     """
     width = topk_indices.shape[-1]
     if topk_length is None:
-        ids = ids_as_int32(topk_indices, keys)  # int32 sorts faster than int64
-        valid = ids >= 0
-        ordered = torch.where(valid, ids, keys).sort(dim=-1).values
+        ordered, lengths = ascending_valid_ids_reference(topk_indices, keys, None)
         ids = ordered.masked_fill(ordered == keys, -1)
-        lengths = valid.sum(dim=-1, dtype=torch.int32)
     else:  # the kernels skip invalid ids inside the prefix: only a wrapping int64 id needs mapping
         ids = (
             topk_indices if topk_indices.dtype == torch.int32 else ids_as_int32(topk_indices, keys)

@@ -4,9 +4,10 @@ The backward walks these rows: its kernels skip the invalid tail, and with ascen
 programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which stay
 in L2 (H200, docs/benchmarks.md 2026-11-30: the backward from 27.67 to 26.59 ms).
 
-`ascending_valid_ids_reference` is the PyTorch definition. `ascending_valid_ids` marks the invalid
-slots and counts the valid ones in one Triton pass (torch's form takes five elementwise and reduction
-kernels) and leaves the sort to torch (a Triton `tl.sort` per row measured slower inside the backward).
+`sa_mla.canonical.ascending_valid_ids_reference` is the PyTorch definition (also `canonical_topk`'s
+compaction for the fused path). `ascending_valid_ids` marks the invalid slots and counts the valid
+ones in one Triton pass (torch's form takes five elementwise and reduction kernels) and leaves the
+sort to torch (a Triton `tl.sort` per row measured slower inside the backward).
 """
 
 import torch
@@ -14,25 +15,10 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
+from sa_mla.canonical import ascending_valid_ids_reference
 
 # Rows up to this width are marked by one program (8192 ids over 8 warps: 32 per thread).
 MAX_KERNEL_WIDTH = 8192
-
-
-def ascending_valid_ids_reference(
-    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
-    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
-    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
-    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
-    """
-    valid = (ids >= 0) & (ids < keys)
-    if topk_length is not None:
-        slots = torch.arange(ids.shape[1], device=ids.device)
-        valid &= slots[None, :] < topk_length[:, None]
-    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values
-    return ordered, valid.sum(dim=1, dtype=torch.int32)
 
 
 @triton.jit
