@@ -1,0 +1,345 @@
+"""Sparse MLA forward for Hopper in Gluon: warp-specialised gathers, the math as in `forward.py`.
+
+The portable kernel (`forward.py`) issues its key gathers from the same warps that run the dots, so
+the tensor cores wait while the warps compute addresses and issue copies. Here a producer
+partition of four warps gathers each slot block's latent rows into a ring of shared-memory stages
+(asynchronous copies, signalled through mbarriers) while the eight consumer warps (two warpgroups)
+run the score dot, the online softmax and the value dot with Hopper's warpgroup MMA. The math,
+the masking and the outputs are those of `forward.py`: one program per (head block of 64, query
+token), slots in blocks of 64, online softmax in base 2, out [T, H, 512] and the natural-log lse.
+
+Shared memory: q (64 × 576 bf16, 72 KiB), two key stages (2 × 72 KiB) and the bf16 probabilities
+(8 KiB): 224 KiB of the H200's 227.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+VALUE_DIM = 512
+BLOCK_H = 64
+BLOCK_K = 64
+STAGES = 2
+CONSUMER_WARPS = 8
+PRODUCER_WARPS = 4
+
+
+@gluon.jit
+def _producer(
+    KV,
+    IDX,
+    kn_smem,
+    kr_smem,
+    ready,
+    free,
+    t,
+    length,
+    keys,
+    stride_kvt,
+    stride_it,
+    DV: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    # 16-byte copies: a warp covers one row's 256 value dims per instruction.
+    nope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    idx_row = IDX + t * stride_it
+    cols = gl.arange(0, DV, layout=gl.SliceLayout(0, nope_layout))
+    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, nope_layout))
+    if D_ROPE > 0:
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        rope_cols = DV + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rope_layout))
+        rope_rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rope_layout))
+    blocks = gl.cdiv(length, BLOCK_K)
+    for i in range(blocks):
+        stage = i % STAGES
+        # The first pass over the ring finds every stage free (parity 1 of a fresh barrier).
+        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
+        slots = i * BLOCK_K + rows
+        ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys)
+        base = KV + ids.to(gl.int64) * stride_kvt
+        async_copy.async_copy_global_to_shared(
+            kn_smem.index(stage), base[:, None] + cols[None, :], mask=valid[:, None]
+        )
+        if D_ROPE > 0:
+            rope_slots = i * BLOCK_K + rope_rows
+            rope_ids = gl.load(idx_row + rope_slots, mask=rope_slots < length, other=-1)
+            rope_valid = (rope_ids >= 0) & (rope_ids < keys)
+            rope_base = KV + rope_ids.to(gl.int64) * stride_kvt
+            async_copy.async_copy_global_to_shared(
+                kr_smem.index(stage),
+                rope_base[:, None] + rope_cols[None, :],
+                mask=rope_valid[:, None],
+            )
+        # Every producer thread arrives once its own copies have landed.
+        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+
+@gluon.jit
+def _consumer(
+    IDX,
+    qn_smem,
+    qr_smem,
+    kn_smem,
+    kr_smem,
+    p_smem,
+    ready,
+    free,
+    t,
+    length,
+    keys,
+    stride_it,
+    scale_log2,
+    DV: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    # Two warpgroups split the score columns (32 slots each) and the value dims (256 each).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
+    )
+    idx_row = IDX + t * stride_it
+    slot_offsets = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_H, DV], gl.float32, layout=o_layout)
+    zero_scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
+    blocks = gl.cdiv(length, BLOCK_K)
+    for i in range(blocks):
+        stage = i % STAGES
+        slots = i * BLOCK_K + slot_offsets
+        ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
+        valid = (ids >= 0) & (ids < keys)
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        keys_nope = kn_smem.index(stage)
+        s = warpgroup_mma(
+            qn_smem, keys_nope.permute((1, 0)), zero_scores, use_acc=False, is_async=True
+        )
+        if D_ROPE > 0:
+            s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_smem, keys_nope, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        # Both warpgroups are past their value dot before the stage is handed back.
+        gl.thread_barrier()
+        mbarrier.arrive(free.index(stage))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _sparse_mla_fwd_hopper_kernel(
+    Q,
+    KV,
+    IDX,
+    TOPK_LEN,
+    SINK,
+    OUT,
+    LSE,
+    stride_qt,
+    stride_qh,
+    stride_kvt,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    heads,
+    keys,
+    width,
+    scale_log2,
+    HAS_LEN: gl.constexpr,
+    HAS_SINK: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    DV: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr,
+):
+    head_blocks = gl.cdiv(heads, BLOCK_H)
+    hb = gl.program_id(0) % head_blocks
+    t = (gl.program_id(0) // head_blocks).to(gl.int64)
+    length = width
+    if HAS_LEN:
+        length = gl.minimum(gl.maximum(gl.load(TOPK_LEN + t).to(gl.int32), 0), width)
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16)
+    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], q_layout)
+    kn_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, DV], q_layout)
+    rope_width: gl.constexpr = D_ROPE if D_ROPE > 0 else 64
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, rope_width], q_layout)
+    kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, rope_width], q_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], q_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(free.index(s), count=1)
+
+    # q into shared memory once, by all consumer warps.
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
+    hmask = offs_h < heads
+    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, load_layout))
+    qn_smem.store(gl.load(q_row + offs_v[None, :], mask=hmask[:, None], other=0.0))
+    if D_ROPE > 0:
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        offs_hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout))
+        offs_r = DV + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rope_layout))
+        q_rope = gl.load(
+            Q + t * stride_qt + offs_hr[:, None] * stride_qh + offs_r[None, :],
+            mask=(offs_hr < heads)[:, None],
+            other=0.0,
+        )
+        qr_smem.store(q_rope)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    acc, m_i, l_i = gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    IDX,
+                    qn_smem,
+                    qr_smem,
+                    kn_smem,
+                    kr_smem,
+                    p_smem,
+                    ready,
+                    free,
+                    t,
+                    length,
+                    keys,
+                    stride_it,
+                    scale_log2,
+                    DV,
+                    D_ROPE,
+                    BLOCK_H,
+                    BLOCK_K,
+                    STAGES,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    KV,
+                    IDX,
+                    kn_smem,
+                    kr_smem,
+                    ready,
+                    free,
+                    t,
+                    length,
+                    keys,
+                    stride_kvt,
+                    stride_it,
+                    DV,
+                    D_ROPE,
+                    BLOCK_K,
+                    STAGES,
+                ),
+            ),
+        ],
+        [PRODUCER_WARPS],
+        [PRODUCER_REGISTERS],
+    )
+
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_layout)
+    m_i = gl.convert_layout(m_i, row_layout)
+    l_i = gl.convert_layout(l_i, row_layout)
+    nonempty = l_i > 0.0
+    denominator = l_i
+    if HAS_SINK:
+        sink = gl.load(SINK + rows, mask=rows < heads, other=float("-inf")).to(gl.float32)
+        denominator += gl.exp2(sink * 1.4426950408889634 - gl.where(nonempty, m_i, 0.0))
+    scale = gl.where(nonempty, 1.0 / gl.where(nonempty, denominator, 1.0), 0.0)
+    out = acc * scale[:, None]
+    # Through shared memory (q's buffer is free now) for coalesced 16-byte stores.
+    qn_smem.store(out.to(gl.bfloat16))
+    gl.thread_barrier()
+    o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
+    gl.store(o_row + offs_v[None, :], qn_smem.load(load_layout), mask=hmask[:, None])
+    lse = gl.where(
+        nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("inf")
+    )
+    gl.store(LSE + t * heads + rows, lse, mask=rows < heads)
+
+
+def sparse_mla_forward_hopper(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ids: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+    producer_registers: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D] bf16, kv [T_kv, D] bf16, ids [T, W] int32 -> (out [T, H, 512] bf16, lse [T, H] fp32)."""
+    tokens, heads, head_dim = q.shape
+    out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if tokens == 0:
+        return out, lse
+    grid = (triton.cdiv(heads, BLOCK_H) * tokens,)
+    _sparse_mla_fwd_hopper_kernel[grid](
+        q,
+        kv,
+        ids,
+        topk_length if topk_length is not None else ids,
+        attn_sink if attn_sink is not None else lse,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        ids.stride(0),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        kv.shape[0],
+        ids.shape[1],
+        float(softmax_scale) * LOG2E,
+        HAS_LEN=topk_length is not None,
+        HAS_SINK=attn_sink is not None,
+        D_ROPE=head_dim - VALUE_DIM,
+        DV=VALUE_DIM,
+        BLOCK_H=BLOCK_H,
+        BLOCK_K=BLOCK_K,
+        STAGES=STAGES,
+        PRODUCER_WARPS=PRODUCER_WARPS,
+        PRODUCER_REGISTERS=producer_registers,
+        num_warps=CONSUMER_WARPS,
+    )
+    return out, lse
