@@ -19,8 +19,8 @@ from triton.testing import do_bench
 from sa_mla import cudnn_sparse_attention, is_cudnn_sparse_attention_available, sparse_mla_triton
 from sa_mla.canonical import canonical_topk
 from sa_mla.triton.backward import sparse_mla_backward
-from sa_mla.triton.forward import sparse_mla_forward
-from sa_mla.triton.launch import LaunchConfig
+from sa_mla.triton.forward import hopper_forward_applies, sparse_mla_forward
+from sa_mla.triton.launch import LaunchConfig, forward_configs
 
 LOG = []
 
@@ -49,6 +49,14 @@ def inputs(tokens, keys, heads, dim, topk, seed=0):
 
 def bench_triton(q, kv, ids, sink, dout, shape, flops, baseline):
     scale = q.shape[-1] ** -0.5
+    # The forward's two kernels alone: on Hopper the public path runs the Gluon one.
+    kv2, ids2 = kv[:, 0].contiguous(), ids[:, 0].contiguous()
+    portable = forward_configs(q.shape[1])[0]
+    portable_ms = do_bench(lambda: sparse_mla_forward(q, kv2, ids2, scale, None, sink, portable))
+    record("triton fwd kernel: portable", shape, portable_ms, flops)
+    if hopper_forward_applies(q, kv2):
+        ms = do_bench(lambda: sparse_mla_forward(q, kv2, ids2, scale, None, sink))
+        record("triton fwd kernel: Gluon Hopper (vs portable)", shape, ms, flops, portable_ms)
     record(
         "triton fwd",
         shape,

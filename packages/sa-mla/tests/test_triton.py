@@ -264,8 +264,15 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward_kernel", ["auto", "portable"])
 @pytest.mark.parametrize(("heads", "head_dim", "width", "sink"), GPU_CASES)
-def test_triton_gpu_matches_oracle(heads, head_dim, width, sink):
+def test_triton_gpu_matches_oracle(heads, head_dim, width, sink, forward_kernel, monkeypatch):
+    """`auto`: on Hopper the forward runs the Gluon kernel; `portable` keeps the portable forward
+    covered on every GPU."""
+    if forward_kernel == "portable":
+        from sa_mla.triton import forward as triton_forward
+
+        monkeypatch.setattr(triton_forward, "hopper_forward_applies", lambda q, kv: False)
     p = random_problem(
         300, heads, head_dim, 3000, width, sink=sink, device="cuda", seed=heads + width
     )

@@ -4,14 +4,24 @@ Layout (validated by the caller): q [T, H, D] and kv [T_kv, D] with unit last st
 D = 512 (values only) or 576 (512 value dims + 64 rope dims). A program streams its token's top-k slots
 in blocks of BLOCK_K, gathers the latent rows they name (a duplicated id counts once per slot) and writes
 the output and the natural-log lse (sink excluded, +inf when the row has no valid slot).
+
+On Hopper, bf16 inputs go to the warp-specialised Gluon kernel of `forward_hopper.py` instead (same
+outputs; H200, docs/benchmarks.md 2026-11-30: 8.10 -> 6.05 ms at the issue's shape). A launch config
+given explicitly always runs this kernel.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from sa_kernels.backend import triton_interpret
 from sa_mla.triton.launch import LaunchConfig, _launch, forward_configs
 from sa_mla.triton.unchained import chain_break
+
+try:
+    from sa_mla.triton.forward_hopper import sparse_mla_forward_hopper
+except ImportError:  # a Triton without Gluon's Hopper ops: the portable kernel everywhere
+    sparse_mla_forward_hopper = None
 
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
@@ -119,6 +129,19 @@ def _sparse_mla_fwd_kernel(
     tl.store(LSE + t * heads + offs_h, lse, mask=hmask)
 
 
+def hopper_forward_applies(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether `sparse_mla_forward` runs the Gluon Hopper kernel for these inputs: bf16 q and kv on
+    an SM90 GPU (the kernel is written for its warpgroup MMA and 227 KiB of shared memory), Gluon
+    importable, not under Triton's interpreter (which does not run Gluon)."""
+    return (
+        sparse_mla_forward_hopper is not None
+        and q.is_cuda
+        and not triton_interpret()
+        and q.dtype == kv.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+    )
+
+
 def sparse_mla_forward(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -128,7 +151,13 @@ def sparse_mla_forward(
     attn_sink: torch.Tensor | None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], kv [T_kv, D], ids [T, W] int32 -> (out [T, H, 512] q.dtype, lse [T, H] fp32 natural log)."""
+    """q [T, H, D], kv [T_kv, D], ids [T, W] int32 -> (out [T, H, 512] q.dtype, lse [T, H] fp32 natural log).
+
+    `config` (a launch of the portable kernel) is for benchmarks and tests; without it, inputs that
+    `hopper_forward_applies` to go to the Gluon Hopper kernel.
+    """
+    if config is None and hopper_forward_applies(q, kv):
+        return sparse_mla_forward_hopper(q, kv, ids, softmax_scale, topk_length, attn_sink)
     tokens, heads, head_dim = q.shape
     out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)

@@ -24,6 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# Names that moved between Triton 3.6 (torch 2.11's) and the lock file's 3.9.
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+async_gather = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
 BLOCK_H = 64
@@ -69,15 +73,13 @@ def _producer(
         ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
         valid = (ids >= 0) & (ids < keys)
         base = KV + ids.to(gl.int64) * stride_kvt
-        async_copy.async_copy_global_to_shared(
-            kn_smem.index(stage), base[:, None] + cols[None, :], mask=valid[:, None]
-        )
+        async_gather(kn_smem.index(stage), base[:, None] + cols[None, :], mask=valid[:, None])
         if D_ROPE > 0:
             rope_slots = i * BLOCK_K + rope_rows
             rope_ids = gl.load(idx_row + rope_slots, mask=rope_slots < length, other=-1)
             rope_valid = (rope_ids >= 0) & (rope_ids < keys)
             rope_base = KV + rope_ids.to(gl.int64) * stride_kvt
-            async_copy.async_copy_global_to_shared(
+            async_gather(
                 kr_smem.index(stage),
                 rope_base[:, None] + rope_cols[None, :],
                 mask=rope_valid[:, None],
@@ -143,12 +145,12 @@ def _consumer(
         m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(p_smem, keys_nope, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         # Both warpgroups are past their value dot before the stage is handed back.
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(free.index(stage))
     return acc, m_i, l_i
 
@@ -220,7 +222,7 @@ def _sparse_mla_fwd_hopper_kernel(
         )
         qr_smem.store(q_rope)
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
 
     acc, m_i, l_i = gl.warp_specialize(
         [
@@ -288,7 +290,7 @@ def _sparse_mla_fwd_hopper_kernel(
     out = acc * scale[:, None]
     # Through shared memory (q's buffer is free now) for coalesced 16-byte stores.
     qn_smem.store(out.to(gl.bfloat16))
-    gl.thread_barrier()
+    cta_barrier()
     o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
     gl.store(o_row + offs_v[None, :], qn_smem.load(load_layout), mask=hmask[:, None])
     lse = gl.where(

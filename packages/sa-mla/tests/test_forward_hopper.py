@@ -1,0 +1,96 @@
+"""The Gluon Hopper forward against the FP32 oracle and the portable kernel (SM90 GPUs only: Gluon has
+no interpreter), and the choice between the two kernels."""
+
+import pytest
+import torch
+
+from sa_mla.reference import sparse_mla_reference_with_lse
+from sa_mla.testing import random_problem, relative_error
+from sa_mla.triton import forward as triton_forward
+from sa_mla.triton.launch import forward_configs
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(
+    not ON_HOPPER or triton_forward.sparse_mla_forward_hopper is None,
+    reason="the Gluon Hopper forward needs an SM90 GPU and Triton's Gluon",
+)
+
+CASES = [
+    pytest.param(
+        h, d, w, s, n, id=f"H{h}-D{d}-W{w}-{'sink' if s else 'nosink'}-{'len' if n else 'full'}"
+    )
+    for h, d, w, s, n in (
+        (128, 576, 2048, True, False),
+        (128, 512, 1000, False, True),
+        (64, 576, 333, True, True),
+        (16, 576, 64, False, False),
+        (20, 512, 200, True, False),
+        (200, 576, 130, True, True),
+        (1, 576, 77, True, True),
+    )
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("heads", "head_dim", "width", "sink", "lengths"), CASES)
+def test_hopper_forward_matches_oracle_and_portable_kernel(heads, head_dim, width, sink, lengths):
+    """-1 and out-of-range ids, duplicated slots, rows without a valid id, ragged `topk_length`
+    (including 0 and beyond the width), head counts that are not multiples of the 64-head block."""
+    p = random_problem(
+        257,
+        heads,
+        head_dim,
+        5000,
+        width,
+        sink=sink,
+        lengths=lengths,
+        device="cuda",
+        seed=heads * 7 + width,
+        requires_grad=False,
+    )
+    q, kv, ids = p.q, p.kv_latent[:, 0], p.topk_indices[:, 0].contiguous()
+    assert triton_forward.hopper_forward_applies(q, kv)
+    out, lse = triton_forward.sparse_mla_forward_hopper(
+        q, kv, ids, p.softmax_scale, p.topk_length, p.attn_sink
+    )
+    expected_out, expected_lse = sparse_mla_reference_with_lse(
+        q.float(),
+        p.kv_latent.float(),
+        p.topk_indices,
+        p.softmax_scale,
+        p.topk_length,
+        attn_sink=p.attn_sink,
+    )
+    assert relative_error(out.float(), expected_out) <= 5e-3
+    finite = torch.isfinite(expected_lse)
+    assert torch.equal(finite, torch.isfinite(lse)) and torch.all(torch.isposinf(lse[~finite]))
+    torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-4, atol=1e-4)
+    assert torch.all(out[p.empty_rows] == 0)
+    portable_out, portable_lse = triton_forward.sparse_mla_forward(
+        q, kv, ids, p.softmax_scale, p.topk_length, p.attn_sink, config=forward_configs(heads)[0]
+    )
+    assert relative_error(out.float(), portable_out.float()) <= 2e-3
+    torch.testing.assert_close(lse, portable_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_forward_picks_the_hopper_kernel_for_bf16_and_the_portable_one_otherwise(monkeypatch):
+    p = random_problem(9, 16, 576, 100, 40, device="cuda", seed=1, requires_grad=False)
+    q, kv, ids = p.q, p.kv_latent[:, 0], p.topk_indices[:, 0].contiguous()
+    calls = []
+    real = triton_forward.sparse_mla_forward_hopper
+    monkeypatch.setattr(
+        triton_forward,
+        "sparse_mla_forward_hopper",
+        lambda *args: calls.append(args[0].dtype) or real(*args),
+    )
+    triton_forward.sparse_mla_forward(q, kv, ids, p.softmax_scale, None, None)
+    triton_forward.sparse_mla_forward(q.float(), kv.float(), ids, p.softmax_scale, None, None)
+    assert calls == [torch.bfloat16]
+
+
+def test_hopper_kernel_is_never_chosen_off_the_gpu():
+    q = torch.randn(3, 4, 576, dtype=torch.bfloat16)
+    assert not triton_forward.hopper_forward_applies(q, q[:, 0])
