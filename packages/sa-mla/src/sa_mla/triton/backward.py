@@ -22,15 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_mla.triton.forward import LOG2E, VALUE_DIM, hopper_forward_applies
+from sa_mla.triton.forward import LOG2E, VALUE_DIM
 from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
 from sa_mla.triton.sorted_ids import ascending_valid_ids
 from sa_mla.triton.unchained import chain_break
-
-try:
-    from sa_mla.triton.backward_hopper import launch_dq_hopper
-except ImportError:  # a Triton without Gluon's Hopper ops: the portable dq kernel everywhere
-    launch_dq_hopper = None
 
 
 @triton.jit
@@ -415,9 +410,6 @@ def sparse_mla_backward(
         dq=torch.empty_like(q),
         dkv=torch.zeros(kv.shape, dtype=torch.float32, device=kv.device),
         delta=torch.empty(tokens, heads, dtype=torch.float32, device=q.device),
-        hopper_dq=(
-            dq_config is None and launch_dq_hopper is not None and hopper_forward_applies(q, kv)
-        ),
         dq_configs=[dq_config] if dq_config is not None else dq_configs(heads),
         dq_key=None if dq_config is not None else ("dq", *flags),
         dkv_configs=[_dkv_launch_config(c, head_dim, width) for c in dkv_base],
@@ -469,7 +461,6 @@ class _Backward:
     dq: torch.Tensor
     dkv: torch.Tensor
     delta: torch.Tensor
-    hopper_dq: bool  # the dq kernel of `backward_hopper.py` (bf16 on SM90), not the portable one
     dq_configs: list[LaunchConfig]
     dq_key: tuple | None
     dkv_configs: list[LaunchConfig]
@@ -479,34 +470,11 @@ class _Backward:
         """Tokens [t0, t0 + n), on the current stream: their ids sorted, then the dq kernel (writing
         p, ds and delta) and the dkv kernel."""
         q, kv, dout, out = self.q, self.kv, self.dout, self.out
+        heads, head_dim = q.shape[1:]
+        width = self.ids.shape[1]
         topk_length = None if self.topk_length is None else self.topk_length[t0 : t0 + n]
         chunk_ids, lengths = ascending_valid_ids(self.ids[t0 : t0 + n], kv.shape[0], topk_length)
-        if self.hopper_dq:
-            launch_dq_hopper(
-                q,
-                kv,
-                chunk_ids,
-                lengths,
-                dout,
-                out,
-                self.lse2,
-                self.delta,
-                self.dq,
-                p,
-                ds,
-                t0,
-                n,
-                self.softmax_scale,
-                self.softmax_scale * LOG2E,
-            )
-        else:
-            self._launch_dq(t0, n, chunk_ids, lengths, p, ds)
-        self._launch_dkv(t0, n, chunk_ids, lengths, p, ds)
-
-    def _launch_dq(self, t0, n, chunk_ids, lengths, p, ds) -> None:
-        q, kv, dout, out = self.q, self.kv, self.dout, self.out
-        heads, head_dim = q.shape[1:]
-        stride_pt = self.ids.shape[1] * heads
+        stride_pt = width * heads
         _launch(
             _sparse_mla_bwd_dq_kernel,
             self.dq_key,
@@ -543,12 +511,6 @@ class _Backward:
             DR=64,
             DV=VALUE_DIM,
         )
-
-    def _launch_dkv(self, t0, n, chunk_ids, lengths, p, ds) -> None:
-        q, kv, dout = self.q, self.kv, self.dout
-        heads, head_dim = q.shape[1:]
-        width = self.ids.shape[1]
-        stride_pt = width * heads
         _launch(
             _sparse_mla_bwd_dkv_kernel,
             self.dkv_key,

@@ -28,14 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 async_gather = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-
-@gluon.jit
-def mbarrier_arrive_after_copies(barrier):
-    """Each calling thread arrives on `barrier` once its own asynchronous copies have landed (the
-    barrier counts one arrival per producer thread)."""
-    async_copy.mbarrier_arrive(barrier, increment_count=False)
-
-
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
 BLOCK_H = 64
@@ -92,7 +84,8 @@ def _producer(
                 rope_base[:, None] + rope_cols[None, :],
                 mask=rope_valid[:, None],
             )
-        mbarrier_arrive_after_copies(ready.index(stage))
+        # Every producer thread arrives once its own copies have landed.
+        async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
 
 @gluon.jit
