@@ -91,6 +91,78 @@ def test_forward_picks_the_hopper_kernel_for_bf16_and_the_portable_one_otherwise
     assert calls == [torch.bfloat16]
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_hopper_forward_with_explicit_short_and_long_lengths_and_zero_tokens():
+    p = random_problem(
+        40, 64, 576, 3000, 150, sink=True, device="cuda", seed=9, requires_grad=False
+    )
+    q, kv, ids = p.q, p.kv_latent[:, 0], p.topk_indices[:, 0].contiguous()
+    lengths = torch.randint(1, 150, (40,), dtype=torch.int32, device="cuda")
+    lengths[0], lengths[1], lengths[2] = 0, 150, 10_000  # none, all, beyond the width
+    out, lse = triton_forward.sparse_mla_forward_hopper(
+        q, kv, ids, p.softmax_scale, lengths, p.attn_sink
+    )
+    expected_out, expected_lse = sparse_mla_reference_with_lse(
+        q.float(),
+        p.kv_latent.float(),
+        p.topk_indices,
+        p.softmax_scale,
+        lengths,
+        attn_sink=p.attn_sink,
+    )
+    assert relative_error(out.float(), expected_out) <= 5e-3
+    assert torch.all(out[0] == 0) and torch.all(torch.isposinf(lse[0]))
+    finite = torch.isfinite(expected_lse)
+    torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-4, atol=1e-4)
+    empty_out, empty_lse = triton_forward.sparse_mla_forward_hopper(
+        q[:0], kv, ids[:0], p.softmax_scale, None, None
+    )
+    assert empty_out.shape == (0, 64, 512) and empty_lse.shape == (0, 64)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", ["offset", "stride"])
+def test_kv_rows_the_gathers_cannot_copy_whole_go_to_the_portable_kernel(layout):
+    """16-byte gathers need 16-byte aligned rows: a kv starting one element into its storage, or
+    with a row stride of 584 elements, runs the portable kernel (and still gives the oracle's
+    output) instead of failing to compile."""
+    p = random_problem(33, 16, 576, 500, 70, sink=True, device="cuda", seed=4, requires_grad=False)
+    kv = p.kv_latent[:, 0]
+    storage = torch.zeros(
+        kv.shape[0], 584 if layout == "stride" else 576, device="cuda", dtype=kv.dtype
+    )
+    if layout == "offset":
+        storage = torch.zeros(kv.numel() + 1, device="cuda", dtype=kv.dtype)
+        moved = storage[1:].view(kv.shape)
+    else:
+        moved = storage[:, :576]
+    moved.copy_(kv)
+    ids = p.topk_indices[:, 0].contiguous()
+    assert not triton_forward.hopper_forward_applies(p.q, moved)
+    out, _ = triton_forward.sparse_mla_forward(p.q, moved, ids, p.softmax_scale, None, p.attn_sink)
+    expected, _ = sparse_mla_reference_with_lse(
+        p.q.float(),
+        p.kv_latent.float(),
+        p.topk_indices,
+        p.softmax_scale,
+        None,
+        attn_sink=p.attn_sink,
+    )
+    assert relative_error(out.float(), expected) <= 5e-3
+
+
 def test_hopper_kernel_is_never_chosen_off_the_gpu():
     q = torch.randn(3, 4, 576, dtype=torch.bfloat16)
     assert not triton_forward.hopper_forward_applies(q, q[:, 0])
+
+
+@pytest.mark.skipif(
+    triton_forward.sparse_mla_forward_hopper is None, reason="this Triton has no Gluon Hopper ops"
+)
+def test_hopper_kernel_refuses_other_dtypes():
+    q = torch.randn(3, 4, 576, dtype=torch.float16)
+    ids = torch.zeros(3, 8, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"q and kv must be bfloat16; got torch\.float16"):
+        triton_forward.sparse_mla_forward_hopper(q, q[:, 0], ids, 0.1, None, None)

@@ -6,8 +6,8 @@ in blocks of BLOCK_K, gathers the latent rows they name (a duplicated id counts 
 the output and the natural-log lse (sink excluded, +inf when the row has no valid slot).
 
 On Hopper, bf16 inputs go to the warp-specialised Gluon kernel of `forward_hopper.py` instead (same
-outputs; H200, docs/benchmarks.md 2026-11-30: 8.10 -> 6.05 ms at the issue's shape). A launch config
-given explicitly always runs this kernel.
+outputs; H200, docs/benchmarks.md 2026-11-30: the kernels alone 8.05 -> 6.01 ms at the issue's
+shape). A launch config given explicitly always runs this kernel.
 """
 
 import torch
@@ -20,7 +20,7 @@ from sa_mla.triton.unchained import chain_break
 
 try:
     from sa_mla.triton.forward_hopper import sparse_mla_forward_hopper
-except ImportError:  # a Triton without Gluon's Hopper ops: the portable kernel everywhere
+except (ImportError, AttributeError):  # no Gluon Hopper ops in this Triton: the portable kernel
     sparse_mla_forward_hopper = None
 
 LOG2E = 1.4426950408889634
@@ -131,13 +131,18 @@ def _sparse_mla_fwd_kernel(
 
 def hopper_forward_applies(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether `sparse_mla_forward` runs the Gluon Hopper kernel for these inputs: bf16 q and kv on
-    an SM90 GPU (the kernel is written for its warpgroup MMA and 227 KiB of shared memory), Gluon
-    importable, not under Triton's interpreter (which does not run Gluon)."""
+    an NVIDIA SM90 GPU (the kernel is written for its warpgroup MMA and 227 KiB of shared memory),
+    kv rows 16-byte aligned with a row stride Triton can prove so (a multiple of 16 elements; its 16-byte gathers), Gluon importable, not under Triton's interpreter
+    (which does not run Gluon)."""
     return (
         sparse_mla_forward_hopper is not None
         and q.is_cuda
+        and torch.version.hip is None
         and not triton_interpret()
         and q.dtype == kv.dtype == torch.bfloat16
+        and kv.stride(-1) == 1
+        and kv.stride(0) % 16 == 0
+        and kv.data_ptr() % 16 == 0
         and torch.cuda.get_device_capability(q.device)[0] == 9
     )
 

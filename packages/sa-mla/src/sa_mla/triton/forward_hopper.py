@@ -9,7 +9,12 @@ the masking and the outputs are those of `forward.py`: one program per (head blo
 token), slots in blocks of 64, online softmax in base 2, out [T, H, 512] and the natural-log lse.
 
 Shared memory: q (64 × 576 bf16, 72 KiB), two key stages (2 × 72 KiB) and the bf16 probabilities
-(8 KiB): 224 KiB of the H200's 227.
+(8 KiB): 224 KiB of the H200's 227. (At D 512 the rope buffers are still allocated, unused: it fits.)
+Registers: Triton gives the producer `PRODUCER_REGISTERS` and the consumers the rest (offline, sm_90a:
+no spills with Triton 3.6, 8 bytes with the lock file's 3.9, where 56 would give none).
+
+Gluon has no interpreter: this kernel runs only on SM90 GPUs and is tested there (`gpu` tests against
+the oracle and the portable kernel); elsewhere `forward.py`'s kernel runs.
 """
 
 import torch
@@ -30,6 +35,9 @@ async_gather = getattr(async_copy, "async_load", None) or async_copy.async_copy_
 
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
+# The same constants inside the kernels (JIT code reads globals only as constexprs).
+LOG2E_IN_KERNEL = gl.constexpr(LOG2E)
+LN2_IN_KERNEL = gl.constexpr(0.6931471805599453)
 BLOCK_H = 64
 BLOCK_K = 64
 STAGES = 2
@@ -129,6 +137,8 @@ def _consumer(
         ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
         valid = (ids >= 0) & (ids < keys)
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        # The copies wrote through the generic proxy; the MMAs read through the async one.
+        fence_async_shared()
         keys_nope = kn_smem.index(stage)
         s = warpgroup_mma(
             qn_smem, keys_nope.permute((1, 0)), zero_scores, use_acc=False, is_async=True
@@ -184,6 +194,8 @@ def _sparse_mla_fwd_hopper_kernel(
     PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
+    # A 1-D grid, a token's head blocks next to each other (they gather the same keys, which the
+    # second then finds in L2); grid y and z stop at 65535, fewer than a long sequence's tokens.
     head_blocks = gl.cdiv(heads, BLOCK_H)
     hb = gl.program_id(0) % head_blocks
     t = (gl.program_id(0) // head_blocks).to(gl.int64)
@@ -285,7 +297,7 @@ def _sparse_mla_fwd_hopper_kernel(
     denominator = l_i
     if HAS_SINK:
         sink = gl.load(SINK + rows, mask=rows < heads, other=float("-inf")).to(gl.float32)
-        denominator += gl.exp2(sink * 1.4426950408889634 - gl.where(nonempty, m_i, 0.0))
+        denominator += gl.exp2(sink * LOG2E_IN_KERNEL - gl.where(nonempty, m_i, 0.0))
     scale = gl.where(nonempty, 1.0 / gl.where(nonempty, denominator, 1.0), 0.0)
     out = acc * scale[:, None]
     # Through shared memory (q's buffer is free now) for coalesced 16-byte stores.
@@ -294,7 +306,7 @@ def _sparse_mla_fwd_hopper_kernel(
     o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
     gl.store(o_row + offs_v[None, :], qn_smem.load(load_layout), mask=hmask[:, None])
     lse = gl.where(
-        nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("inf")
+        nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_IN_KERNEL, float("inf")
     )
     gl.store(LSE + t * heads + rows, lse, mask=rows < heads)
 
@@ -308,7 +320,27 @@ def sparse_mla_forward_hopper(
     attn_sink: torch.Tensor | None,
     producer_registers: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] bf16, kv [T_kv, D] bf16, ids [T, W] int32 -> (out [T, H, 512] bf16, lse [T, H] fp32)."""
+    """The Hopper forward: (out [T, H, 512] bf16, lse [T, H] fp32), as `forward.sparse_mla_forward`.
+
+    Args:
+        q: [T, H, D] bf16, D 512 or 576, unit last stride.
+        kv: [T_kv, D] bf16, unit last stride, row stride and data pointer 16-byte aligned (the
+            gathers copy 16 bytes at a time); `forward.hopper_forward_applies` checks all of this.
+        ids: [T, W] int32; ids outside [0, T_kv) are invalid slots, a repeated id counts per slot.
+        softmax_scale: the scores' scale (the kernel works in base 2).
+        topk_length: [T] int32 or None: only the first `topk_length[t]` slots of row t count.
+        attn_sink: [H] fp32 or None: a per-head logit in the softmax's denominator only.
+        producer_registers: registers per thread of the gathering warps (the consumers get the rest).
+    Returns:
+        out (zero for rows without a valid slot) and the natural-log lse of the keys, sink excluded
+        (+inf for rows without a valid slot).
+    Raises:
+        TypeError: q or kv is not bf16.
+    """
+    if q.dtype != torch.bfloat16 or kv.dtype != torch.bfloat16:
+        raise TypeError(
+            f"sparse_mla_forward_hopper: q and kv must be bfloat16; got {q.dtype} and {kv.dtype}"
+        )
     tokens, heads, head_dim = q.shape
     out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
