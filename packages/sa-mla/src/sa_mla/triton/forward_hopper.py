@@ -29,9 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# Names that moved between Triton 3.6 (torch 2.11's) and the lock file's 3.9.
-cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-async_gather = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+from sa_kernels.gluon_compat import async_gather, cta_barrier
 
 LOG2E = 1.4426950408889634
 VALUE_DIM = 512
