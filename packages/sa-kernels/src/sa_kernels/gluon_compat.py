@@ -2,18 +2,15 @@
 file's 3.9, resolved once for every Gluon kernel of the workspace.
 
 Importing this module raises ImportError (or AttributeError) where the installed Triton has no Gluon
-Hopper ops: callers then keep to their Triton kernels.
+or neither spelling of a name: callers then keep to their Triton kernels.
 """
 
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # The CTA-wide barrier (within a warp-specialised partition: that partition's warps).
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-# cp.async of a tensor of pointers into shared memory (`async_load` from Triton 3.7 on).
+# cp.async of a tensor of pointers into shared memory (`async_load` in 3.9).
 async_gather = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# A TMA tile load into shared memory, completing on an mbarrier.
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-__all__ = ["async_gather", "cta_barrier", "tma_load"]
+__all__ = ["async_gather", "cta_barrier"]

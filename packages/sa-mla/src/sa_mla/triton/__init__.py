@@ -1,5 +1,6 @@
-"""The portable sparse MLA path: Triton forward and backward written for SM80+ GPUs (tested on SM90),
-or Triton's interpreter on CPU."""
+"""The Triton sparse MLA path: forward and backward written for SM80+ GPUs (tested on SM90), or
+Triton's interpreter on CPU; on SM90 with bf16 inputs the forward runs a Gluon kernel
+(`forward_hopper.py`, same outputs)."""
 
 import torch
 
@@ -56,10 +57,12 @@ def sparse_mla_triton(
     valid_row_indices: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sparse latent attention through the portable Triton kernels (forward and backward).
+    """Sparse latent attention through the Triton kernels (forward and backward).
 
     Runs on CUDA tensors (any SM80+ GPU, any head count and top-k width), or on CPU tensors through
-    Triton's interpreter when `TRITON_INTERPRET=1`. Same function as `sparse_mla_reference`.
+    Triton's interpreter when `TRITON_INTERPRET=1`; on SM90 GPUs with bf16 inputs the forward is the
+    Gluon kernel of `forward_hopper.py` (`forward.hopper_forward_applies`). Same function as
+    `sparse_mla_reference`.
     Arguments, shapes and errors as `cudnn_sparse_attention` (q [tokens, heads, 512 | 576],
     kv_latent [keys, 1, head_dim], topk_indices [tokens, 1, width] int, topk_length [tokens] int,
     attn_sink [heads] fp32), except: q and kv_latent are bf16 or fp32 (fp32 dots may run in TF32 on

@@ -131,9 +131,10 @@ def _sparse_mla_fwd_kernel(
 
 def hopper_forward_applies(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether `sparse_mla_forward` runs the Gluon Hopper kernel for these inputs: bf16 q and kv on
-    an NVIDIA SM90 GPU (the kernel is written for its warpgroup MMA and 227 KiB of shared memory),
-    kv rows 16-byte aligned with a row stride Triton can prove so (a multiple of 16 elements; its 16-byte gathers), Gluon importable, not under Triton's interpreter
-    (which does not run Gluon)."""
+    an NVIDIA (not ROCm) SM90 GPU, for which the kernel is written (warpgroup MMA, 227 KiB of shared
+    memory); kv with unit last stride, a 16-byte aligned data pointer and a row stride that is a
+    multiple of 16 elements (its gathers copy 16 bytes, which Triton must be able to prove aligned);
+    Gluon importable; not under Triton's interpreter, which does not run Gluon."""
     return (
         sparse_mla_forward_hopper is not None
         and q.is_cuda

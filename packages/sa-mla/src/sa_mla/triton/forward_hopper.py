@@ -9,9 +9,9 @@ the masking and the outputs are those of `forward.py`: one program per (head blo
 token), slots in blocks of 64, online softmax in base 2, out [T, H, 512] and the natural-log lse.
 
 Shared memory: q (64 × 576 bf16, 72 KiB), two key stages (2 × 72 KiB) and the bf16 probabilities
-(8 KiB): 224 KiB of the H200's 227. (At D 512 the rope buffers are still allocated, unused: it fits.)
-Registers: Triton gives the producer `PRODUCER_REGISTERS` and the consumers the rest (offline, sm_90a:
-no spills with Triton 3.6, 8 bytes with the lock file's 3.9, where 56 would give none).
+(8 KiB): 224 KiB of the H200's 227 (at D 512 the rope buffers go unused). Registers: Triton gives
+the producer `PRODUCER_REGISTERS` per thread and the consumers the rest (offline, sm_90a: no spills
+with Triton 3.6, 8 bytes with the lock file's 3.9, where 56 would give none; only 3.6 has run it).
 
 Gluon has no interpreter: this kernel runs only on SM90 GPUs and is tested there (`gpu` tests against
 the oracle and the portable kernel); elsewhere `forward.py`'s kernel runs.
@@ -41,6 +41,7 @@ BLOCK_K = 64
 STAGES = 2
 CONSUMER_WARPS = 8
 PRODUCER_WARPS = 4
+PRODUCER_REGISTERS = 64
 
 
 @gluon.jit
@@ -316,7 +317,6 @@ def sparse_mla_forward_hopper(
     softmax_scale: float,
     topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
-    producer_registers: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Hopper forward: (out [T, H, 512] bf16, lse [T, H] fp32), as `forward.sparse_mla_forward`.
 
@@ -328,7 +328,6 @@ def sparse_mla_forward_hopper(
         softmax_scale: the scores' scale (the kernel works in base 2).
         topk_length: [T] int32 or None: only the first `topk_length[t]` slots of row t count.
         attn_sink: [H] fp32 or None: a per-head logit in the softmax's denominator only.
-        producer_registers: registers per thread of the gathering warps (the consumers get the rest).
     Returns:
         out (zero for rows without a valid slot) and the natural-log lse of the keys, sink excluded
         (+inf for rows without a valid slot).
@@ -371,7 +370,7 @@ def sparse_mla_forward_hopper(
         BLOCK_K=BLOCK_K,
         STAGES=STAGES,
         PRODUCER_WARPS=PRODUCER_WARPS,
-        PRODUCER_REGISTERS=producer_registers,
+        PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=CONSUMER_WARPS,
     )
     return out, lse
