@@ -15,7 +15,14 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
-from sa_mla.triton.launch import LaunchConfig, _launch, forward_configs
+from sa_mla.triton.launch import (
+    LOG2E,
+    VALUE_DIM,
+    LaunchConfig,
+    _launch,
+    forward_arguments,
+    forward_configs,
+)
 from sa_mla.triton.unchained import chain_break
 
 try:
@@ -23,8 +30,7 @@ try:
 except (ImportError, AttributeError):  # no Gluon Hopper ops in this Triton: the portable kernel
     sparse_mla_forward_hopper = None
 
-LOG2E = 1.4426950408889634
-VALUE_DIM = 512
+__all__ = ["LOG2E", "VALUE_DIM", "hopper_forward_applies", "sparse_mla_forward"]
 
 
 @triton.jit
@@ -165,8 +171,9 @@ def sparse_mla_forward(
     if config is None and hopper_forward_applies(q, kv):
         return sparse_mla_forward_hopper(q, kv, ids, softmax_scale, topk_length, attn_sink)
     tokens, heads, head_dim = q.shape
-    out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    out, lse, args, constexprs = forward_arguments(
+        q, kv, ids, softmax_scale, topk_length, attn_sink
+    )
     if tokens == 0:
         return out, lse
     configs = [config] if config is not None else forward_configs(heads)
@@ -175,31 +182,6 @@ def sparse_mla_forward(
         if config is not None
         else ("fwd", heads, head_dim, q.dtype, topk_length is not None, attn_sink is not None)
     )
-    _launch(
-        _sparse_mla_fwd_kernel,
-        key,
-        configs,
-        lambda c: (triton.cdiv(heads, c.block_h) * tokens,),
-        q,
-        kv,
-        ids,
-        topk_length if topk_length is not None else ids,
-        attn_sink if attn_sink is not None else lse,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        ids.stride(0),
-        out.stride(0),
-        out.stride(1),
-        heads,
-        kv.shape[0],
-        ids.shape[1],
-        float(softmax_scale) * LOG2E,
-        HAS_LEN=topk_length is not None,
-        HAS_SINK=attn_sink is not None,
-        D_ROPE=head_dim - VALUE_DIM,
-        DV=VALUE_DIM,
-    )
+    grid_of = lambda c: (triton.cdiv(heads, c.block_h) * tokens,)
+    _launch(_sparse_mla_fwd_kernel, key, configs, grid_of, *args, **constexprs)
     return out, lse

@@ -30,10 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sa_kernels.gluon_compat import async_gather, cta_barrier
+from sa_mla.triton.launch import LOG2E, forward_arguments
 
-LOG2E = 1.4426950408889634
-VALUE_DIM = 512
-# The same constants inside the kernels (JIT code reads globals only as constexprs).
+# Constants inside the kernels (JIT code reads globals only as constexprs).
 LOG2E_IN_KERNEL = gl.constexpr(LOG2E)
 LN2_IN_KERNEL = gl.constexpr(0.6931471805599453)
 BLOCK_H = 64
@@ -42,6 +41,16 @@ STAGES = 2
 CONSUMER_WARPS = 8
 PRODUCER_WARPS = 4
 PRODUCER_REGISTERS = 64
+
+
+@gluon.jit
+def _gather_rows(smem, KV, idx_row, slots, cols, length, keys, stride_kvt):
+    """Asynchronous copies of columns `cols` of the latent rows named by `slots` of the token's id row
+    into `smem` ([len(slots), len(cols)]); zeros for invalid ids and slots at or past `length`."""
+    ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
+    valid = (ids >= 0) & (ids < keys)
+    base = KV + ids.to(gl.int64) * stride_kvt
+    async_gather(smem, base[:, None] + cols[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -76,20 +85,20 @@ def _producer(
         stage = i % STAGES
         # The first pass over the ring finds every stage free (parity 1 of a fresh barrier).
         mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
-        slots = i * BLOCK_K + rows
-        ids = gl.load(idx_row + slots, mask=slots < length, other=-1)
-        valid = (ids >= 0) & (ids < keys)
-        base = KV + ids.to(gl.int64) * stride_kvt
-        async_gather(kn_smem.index(stage), base[:, None] + cols[None, :], mask=valid[:, None])
+        first = i * BLOCK_K
+        _gather_rows(
+            kn_smem.index(stage), KV, idx_row, first + rows, cols, length, keys, stride_kvt
+        )
         if D_ROPE > 0:
-            rope_slots = i * BLOCK_K + rope_rows
-            rope_ids = gl.load(idx_row + rope_slots, mask=rope_slots < length, other=-1)
-            rope_valid = (rope_ids >= 0) & (rope_ids < keys)
-            rope_base = KV + rope_ids.to(gl.int64) * stride_kvt
-            async_gather(
+            _gather_rows(
                 kr_smem.index(stage),
-                rope_base[:, None] + rope_cols[None, :],
-                mask=rope_valid[:, None],
+                KV,
+                idx_row,
+                first + rope_rows,
+                rope_cols,
+                length,
+                keys,
+                stride_kvt,
             )
         # Every producer thread arrives once its own copies have landed.
         async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
@@ -338,34 +347,15 @@ def sparse_mla_forward_hopper(
         raise TypeError(
             f"sparse_mla_forward_hopper: q and kv must be bfloat16; got {q.dtype} and {kv.dtype}"
         )
-    tokens, heads, head_dim = q.shape
-    out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    tokens, heads, _ = q.shape
+    out, lse, args, constexprs = forward_arguments(
+        q, kv, ids, softmax_scale, topk_length, attn_sink
+    )
     if tokens == 0:
         return out, lse
-    grid = (triton.cdiv(heads, BLOCK_H) * tokens,)
-    _sparse_mla_fwd_hopper_kernel[grid](
-        q,
-        kv,
-        ids,
-        topk_length if topk_length is not None else ids,
-        attn_sink if attn_sink is not None else lse,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        ids.stride(0),
-        out.stride(0),
-        out.stride(1),
-        heads,
-        kv.shape[0],
-        ids.shape[1],
-        float(softmax_scale) * LOG2E,
-        HAS_LEN=topk_length is not None,
-        HAS_SINK=attn_sink is not None,
-        D_ROPE=head_dim - VALUE_DIM,
-        DV=VALUE_DIM,
+    _sparse_mla_fwd_hopper_kernel[(triton.cdiv(heads, BLOCK_H) * tokens,)](
+        *args,
+        **constexprs,
         BLOCK_H=BLOCK_H,
         BLOCK_K=BLOCK_K,
         STAGES=STAGES,

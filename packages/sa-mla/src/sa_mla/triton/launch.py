@@ -2,10 +2,14 @@
 
 from dataclasses import dataclass
 
+import torch
 import triton
 
 from sa_kernels.backend import triton_interpret
 from sa_mla.triton.unchained import unchain_dots
+from sa_mla.validation import VALUE_DIM
+
+LOG2E = 1.4426950408889634
 
 # Triton's interpreter multiplies bf16 dot operands as raw uint16 (Triton 3.9); the kernels widen them to
 # FP32 first when interpreting (UPCAST), which the compiled kernels never do.
@@ -129,3 +133,46 @@ def _launch(
             _CHOSEN[key] = config
         return
     raise error
+
+
+def forward_arguments(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ids: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None,
+    attn_sink: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+    """The outputs (out [T, H, 512] in q's dtype, lse [T, H] fp32, uninitialised) and the launch
+    arguments (positional, constexpr) that both forward kernels take, the portable one of
+    `forward.py` and the Gluon one of `forward_hopper.py` (absent optional inputs replaced by unread
+    placeholders)."""
+    tokens, heads, head_dim = q.shape
+    out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    args = (
+        q,
+        kv,
+        ids,
+        topk_length if topk_length is not None else ids,
+        attn_sink if attn_sink is not None else lse,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        ids.stride(0),
+        out.stride(0),
+        out.stride(1),
+        heads,
+        kv.shape[0],
+        ids.shape[1],
+        float(softmax_scale) * LOG2E,
+    )
+    constexprs = dict(
+        HAS_LEN=topk_length is not None,
+        HAS_SINK=attn_sink is not None,
+        D_ROPE=head_dim - VALUE_DIM,
+        DV=VALUE_DIM,
+    )
+    return out, lse, args, constexprs
