@@ -15,6 +15,19 @@ needs_hopper = pytest.mark.skipif(
     reason="the Gluon Hopper forward needs an SM90 GPU and Triton's Gluon",
 )
 
+
+def _oracle(p, lengths):
+    """(out, lse) of the FP32 oracle on problem p's inputs, with `lengths` as its topk_length."""
+    return sparse_mla_reference_with_lse(
+        p.q.float(),
+        p.kv_latent.float(),
+        p.topk_indices,
+        p.softmax_scale,
+        lengths,
+        attn_sink=p.attn_sink,
+    )
+
+
 CASES = [
     pytest.param(
         h, d, w, s, n, id=f"H{h}-D{d}-W{w}-{'sink' if s else 'nosink'}-{'len' if n else 'full'}"
@@ -54,14 +67,7 @@ def test_hopper_forward_matches_oracle_and_portable_kernel(heads, head_dim, widt
     out, lse = triton_forward.sparse_mla_forward_hopper(
         q, kv, ids, p.softmax_scale, p.topk_length, p.attn_sink
     )
-    expected_out, expected_lse = sparse_mla_reference_with_lse(
-        q.float(),
-        p.kv_latent.float(),
-        p.topk_indices,
-        p.softmax_scale,
-        p.topk_length,
-        attn_sink=p.attn_sink,
-    )
+    expected_out, expected_lse = _oracle(p, p.topk_length)
     assert relative_error(out.float(), expected_out) <= 5e-3
     finite = torch.isfinite(expected_lse)
     assert torch.equal(finite, torch.isfinite(lse)) and torch.all(torch.isposinf(lse[~finite]))
@@ -103,14 +109,7 @@ def test_hopper_forward_with_explicit_short_and_long_lengths_and_zero_tokens():
     out, lse = triton_forward.sparse_mla_forward_hopper(
         q, kv, ids, p.softmax_scale, lengths, p.attn_sink
     )
-    expected_out, expected_lse = sparse_mla_reference_with_lse(
-        q.float(),
-        p.kv_latent.float(),
-        p.topk_indices,
-        p.softmax_scale,
-        lengths,
-        attn_sink=p.attn_sink,
-    )
+    expected_out, expected_lse = _oracle(p, lengths)
     assert relative_error(out.float(), expected_out) <= 5e-3
     assert torch.all(out[0] == 0) and torch.all(torch.isposinf(lse[0]))
     finite = torch.isfinite(expected_lse)
@@ -139,14 +138,7 @@ def test_kv_rows_the_gathers_cannot_prove_aligned_go_to_the_portable_kernel(layo
     ids = p.topk_indices[:, 0].contiguous()
     assert not triton_forward.hopper_forward_applies(p.q, moved)
     out, _ = triton_forward.sparse_mla_forward(p.q, moved, ids, p.softmax_scale, None, p.attn_sink)
-    expected, _ = sparse_mla_reference_with_lse(
-        p.q.float(),
-        p.kv_latent.float(),
-        p.topk_indices,
-        p.softmax_scale,
-        None,
-        attn_sink=p.attn_sink,
-    )
+    expected, _ = _oracle(p, None)
     assert relative_error(out.float(), expected) <= 5e-3
 
 
