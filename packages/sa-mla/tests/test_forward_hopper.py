@@ -160,3 +160,30 @@ def test_hopper_kernel_refuses_other_dtypes():
     ids = torch.zeros(3, 8, dtype=torch.int32)
     with pytest.raises(TypeError, match=r"q and kv must be bfloat16; got torch\.float16"):
         triton_forward.sparse_mla_forward_hopper(q, q[:, 0], ids, 0.1, None, None)
+
+
+def test_both_forward_kernels_take_the_shared_launch_arguments_in_their_own_order():
+    """`launch.forward_arguments` feeds the portable kernel and the Gluon one: its positional
+    arguments and constexprs must name, in order, the first parameters of each kernel."""
+    from sa_mla.triton.launch import forward_arguments
+
+    q = torch.empty(3, 4, 576, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(10, 576, device="meta", dtype=torch.bfloat16)
+    ids = torch.empty(3, 8, device="meta", dtype=torch.int32)
+    lengths = torch.empty(3, device="meta", dtype=torch.int32)
+    sink = torch.empty(4, device="meta")
+    out, lse, args, constexprs = forward_arguments(q, kv, ids, 0.1, lengths, sink)
+    assert out.shape == (3, 4, 512) and lse.shape == (3, 4)
+    assert args[3] is lengths and args[4] is sink and args[5] is out and args[6] is lse
+    expected = ["Q", "KV", "IDX", "TOPK_LEN", "SINK", "OUT", "LSE", "stride_qt", "stride_qh"]
+    expected += ["stride_kvt", "stride_it", "stride_ot", "stride_oh", "heads", "keys", "width"]
+    expected += ["scale_log2", "HAS_LEN", "HAS_SINK", "D_ROPE", "DV"]
+    assert len(args) + len(constexprs) == len(expected)
+    assert list(constexprs) == expected[len(args) :]
+    kernels = [triton_forward._sparse_mla_fwd_kernel]
+    if triton_forward.sparse_mla_forward_hopper is not None:
+        from sa_mla.triton.forward_hopper import _sparse_mla_fwd_hopper_kernel
+
+        kernels.append(_sparse_mla_fwd_hopper_kernel)
+    for kernel in kernels:
+        assert kernel.arg_names[: len(expected)] == expected, kernel.fn.__name__
