@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_mla.triton.forward import LOG2E, VALUE_DIM
-from sa_mla.triton.launch import LaunchConfig, _launch, dkv_configs, dq_configs
+from sa_mla.triton.launch import LOG2E, VALUE_DIM, LaunchConfig, _launch, dkv_configs, dq_configs
 from sa_mla.triton.sorted_ids import ascending_valid_ids
 from sa_mla.triton.unchained import chain_break
 

@@ -15,22 +15,13 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
-from sa_mla.triton.launch import (
-    LOG2E,
-    VALUE_DIM,
-    LaunchConfig,
-    _launch,
-    forward_arguments,
-    forward_configs,
-)
+from sa_mla.triton.launch import LaunchConfig, _launch, forward_arguments, forward_configs
 from sa_mla.triton.unchained import chain_break
 
 try:
     from sa_mla.triton.forward_hopper import sparse_mla_forward_hopper
 except (ImportError, AttributeError):  # no Gluon Hopper ops in this Triton: the portable kernel
     sparse_mla_forward_hopper = None
-
-__all__ = ["LOG2E", "VALUE_DIM", "hopper_forward_applies", "sparse_mla_forward"]
 
 
 @triton.jit
