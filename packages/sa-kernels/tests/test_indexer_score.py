@@ -7,7 +7,6 @@ from triton.runtime.errors import OutOfResources
 
 from sa_kernels import indexer_score_tile, round_to_e4m3
 from sa_kernels.indexer_score import reference, triton_kernels
-from sa_kernels.stable_topk.reference import group_maxima
 
 
 def _inputs(
@@ -231,78 +230,6 @@ def test_candidate_bounds_give_minus_inf_outside_each_querys_window(cfg):
     torch.testing.assert_close(public, expected, atol=1e-4, rtol=1e-5)
     if cfg == triton_kernels._INTERPRET_CONFIG:  # the config the public call runs interpreted
         assert torch.equal(public, out)
-
-
-@pytest.mark.parametrize("group", [1, 4, 8, 32])
-@pytest.mark.parametrize("with_bounds", [False, True], ids=["all-regions", "bounds"])
-@pytest.mark.parametrize(
-    "cfg",
-    [dict(triton_kernels._INTERPRET_CONFIG), _resident(block_r=32, programs=4)],
-    ids=_config_id,
-)
-def test_group_maxima_are_the_maxima_of_the_scores_written(cfg, with_bounds, group):
-    """Written in the scoring kernel's epilogue: the maximum of each run of `group` regions of the
-    scores the same call wrote (a last run shorter than `group`, -inf scores outside the bounds)."""
-    query, weights, summary = _inputs(2, 40, 2, 3, 40, 75, seed=29)
-    bounds = _candidate_bounds(2, 37, 75, seed=4) if with_bounds else None
-    out = torch.full((2, 2, 37, 75), float("nan"))
-    maxima = torch.full((2, 2, 37, -(-75 // group)), float("nan"))
-    triton_kernels.indexer_score_tile(
-        query, weights, summary, 3, 40, out, bounds, maxima, group, _config=cfg
-    )
-    assert torch.equal(maxima, group_maxima(out, group))
-    again = torch.empty_like(out)
-    triton_kernels.indexer_score_tile(query, weights, summary, 3, 40, again, bounds, _config=cfg)
-    assert torch.equal(again, out), "writing the maxima must not change the scores"
-
-
-def test_public_group_maxima_on_both_backends_and_their_checks():
-    query, weights, summary = _inputs(1, 12, 2, 2, 32, 21, seed=31)
-    for backend in ("reference", "triton"):
-        maxima = torch.full((1, 2, 10, 3), float("nan"))
-        out = indexer_score_tile(
-            query, weights, summary, 2, 12, maxima=maxima, maxima_group=8, backend=backend
-        )
-        assert torch.equal(maxima, group_maxima(out, 8)), backend
-    with pytest.raises(
-        ValueError, match=r"maxima must be a contiguous torch.float32 tensor \(1, 2, 10, 3\)"
-    ):
-        indexer_score_tile(query, weights, summary, 2, 12, maxima=torch.empty(1, 2, 10, 2))
-    with pytest.raises(ValueError, match="maxima_group must be a power of two from 1 to 32; got 3"):
-        indexer_score_tile(
-            query, weights, summary, 2, 12, maxima=torch.empty(1, 2, 10, 7), maxima_group=3
-        )
-
-
-@pytest.mark.parametrize("with_bounds", [False, True])
-def test_sliced_tiles_launches_write_the_maxima_of_every_slice(monkeypatch, with_bounds):
-    query, weights, summary = _inputs(2, 40, 2, 3, 40, 150, seed=23)
-    bounds = _candidate_bounds(2, 37, 150) if with_bounds else None
-    cfg = dict(triton_kernels._INTERPRET_CONFIG)
-    monkeypatch.setattr(triton_kernels, "MAX_QUERY_BLOCKS", 2)
-    out = torch.full((2, 2, 37, 150), float("nan"))
-    maxima = torch.full((2, 2, 37, 19), float("nan"))
-    triton_kernels.indexer_score_tile(
-        query, weights, summary, 3, 40, out, bounds, maxima, 8, _config=cfg
-    )
-    assert torch.equal(maxima, group_maxima(out, 8))
-
-
-def test_a_group_that_does_not_divide_the_region_block_is_refused():
-    query, weights, summary = _inputs(1, 8, 1, 2, 32, 40)
-    with pytest.raises(ValueError, match="maxima_group 32 must divide the launch's BLOCK_R 16"):
-        triton_kernels.indexer_score_tile(
-            query,
-            weights,
-            summary,
-            0,
-            8,
-            torch.empty(1, 1, 8, 40),
-            None,
-            torch.empty(1, 1, 8, 2),
-            32,
-            _config=_resident(),
-        )
 
 
 def test_reference_is_the_weighted_sum_of_relu_dot_products():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sa_routing import region_metadata, select_regions
-from sa_routing.step5 import selection
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
 from sa_routing.step5.selection import _merge_tiles
 from sa_routing.step5.testing import document_positions
@@ -134,50 +133,6 @@ def test_fast_selection_equals_oracle_bit_for_bit_with_exact_ties(
     assert torch.equal(out, oracle)
 
 
-@pytest.mark.parametrize("maxima_group", [0, 1, 2, 8])
-@pytest.mark.parametrize(
-    ("docs", "total", "region", "topk", "tile", "chunk", "case_id"),
-    CASES,
-    ids=[c[-1] for c in CASES],
-)
-def test_group_maxima_narrow_the_top_k_without_changing_the_ids(
-    monkeypatch: pytest.MonkeyPatch,
-    maxima_group: int,
-    docs: list,
-    total: int,
-    region: int,
-    topk: int,
-    tile: int,
-    chunk: int,
-    case_id: str,
-) -> None:
-    """The Triton walk with the scoring kernel's group maxima (0: without) selects the oracle's ids,
-    exact ties included; a chunk of more than `topk * maxima_group` regions is narrowed."""
-    torch.manual_seed(zlib.crc32(case_id.encode()))
-    rows = [document_positions(d, total) for d in docs]
-    pos, pad = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    m = region_metadata(pos, pad, 0, total, region, topk, tile_size=tile)
-    query, weights, summary = integer_inputs(len(docs), total, m.region_count, 2, 3, 16, 1)
-    narrowed = []
-    real_topk = selection.stable_topk
-
-    def spy(scores, k, **kwargs):
-        narrowed.append(kwargs.get("group_maxima") is not None)
-        return real_topk(scores, k, **kwargs)
-
-    monkeypatch.setattr(selection, "stable_topk", spy)
-    out = select_regions(
-        query, weights, summary, m, region_chunk=chunk, maxima_group=maxima_group, backend="triton"
-    )
-    oracle = reference_select_regions(query, weights, summary, pos, pad, 0, region, topk)
-    assert torch.equal(out, oracle)
-    widths = [
-        min(r1 - r0, chunk) for _, _, _, r0, r1 in _merge_tiles(m.score_tiles, 2, chunk, 2**30)
-    ]
-    expect_narrowed = maxima_group > 0 and any(w > topk * maxima_group for w in widths)
-    assert any(narrowed) == expect_narrowed, (narrowed, widths)
-
-
 def test_queries_exactly_at_the_sparse_threshold_are_dense_and_one_past_are_scored() -> None:
     region, topk = 4, 3
     pos, pad = document_positions([40], 40)
@@ -303,10 +258,6 @@ def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:
         select_regions(query, weights, summary, m, method="sort")
     with pytest.raises(ValueError, match="region_chunk"):
         select_regions(query, weights, summary, m, region_chunk=0)
-    with pytest.raises(
-        ValueError, match="maxima_group must be 0 or a power of two up to 32; got 3"
-    ):
-        select_regions(query, weights, summary, m, maxima_group=3)
 
 
 @pytest.mark.gpu

@@ -582,11 +582,6 @@ def indexer_score_tile(
     else:
         cfg = dict(DEFAULT_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
-    if maxima is not None and cfg["BLOCK_R"] % maxima_group:
-        raise ValueError(
-            f"indexer_score_tile: maxima_group {maxima_group} must divide the launch's BLOCK_R "
-            f"{cfg['BLOCK_R']}"
-        )
     resident = kernel == "resident" and _resident_runs(query, interpret)
     args = (out, bounds, maxima, maxima_group, cfg, hp, interpret, precision)
     if resident and _launch_resident(query, weights, summary, start, n_q, *args):
