@@ -6,9 +6,7 @@ PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (val
 deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
 `--sweep` also times, per shape, warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) and
 software-pipelined prefilter loads around the default, checks each against the PyTorch path, and
-prints the best. Each shape is also timed narrowed by group maxima of 8 entries (`group_maxima`, as
-the Step-5 scoring kernel writes them; their computation is not timed), and `--sweep` times groups of
-4, 8 and 16 at 4 and 8 warps.
+prints the best.
 
     python packages/sa-kernels/benchmarks/bench_stable_topk.py [--sweep] [--json PATH]
 """
@@ -20,7 +18,6 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import stable_topk
-from sa_kernels.stable_topk.reference import group_maxima
 from sa_kernels.stable_topk.triton_kernels import (
     LaunchConfig,
     _prefilter_maxima,
@@ -56,9 +53,6 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
     torch_ms = do_bench(lambda: stable_topk(scores, k, backend="reference"), rep=100)
     topk_ms = do_bench(lambda: torch.topk(scores, k, dim=-1, sorted=False), rep=100)
     copy_ms = do_bench(scores.clone, rep=100)
-    maxima = group_maxima(scores, 8)
-    assert torch.equal(stable_topk(scores, k, group_maxima=maxima, group=8), got), (rows, n, k)
-    grouped_ms = do_bench(lambda: stable_topk(scores, k, group_maxima=maxima, group=8), rep=100)
     row = {
         "rows": rows,
         "n": n,
@@ -67,7 +61,6 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         "torch_path_ms": torch_ms,
         "torch_topk_ms": topk_ms,
         "copy_ms": copy_ms,
-        "grouped8_ms": grouped_ms,
         "speedup_vs_torch_path": torch_ms / triton_ms,
         "gbps": rows * n * 4 / triton_ms / 1e6,
     }
@@ -108,18 +101,6 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
             timings[_label(config, block, k)] = do_bench(
                 lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50
             )
-        for group in (4, 8, 16):
-            maxima = group_maxima(scores, group)
-            for warps in (4, 8):
-                config = LaunchConfig(grouped_warps=warps)
-                got = stable_topk_rows(scores, k, maxima, group, _config=config)
-                assert torch.equal(got, expected), (group, warps)
-                timings[f"grouped{group}-warps{warps}"] = do_bench(
-                    lambda c=config, m=maxima, g=group: stable_topk_rows(
-                        scores, k, m, g, _config=c
-                    ),
-                    rep=50,
-                )
         row.update(
             sweep_ms=timings,
             default=_label(default_config(block, k), block, k),
@@ -140,8 +121,7 @@ def main() -> None:
         print(
             f"[{rows}, {n}] k {k}: triton {row['triton_ms']:.3f} ms ({row['gbps']:.0f} GB/s), "
             f"torch path {row['torch_path_ms']:.3f} ({row['speedup_vs_torch_path']:.2f}x), "
-            f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}, "
-            f"grouped by 8 {row['grouped8_ms']:.3f}"
+            f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}"
             + (
                 f"\n  sweep {row['sweep_ms']}\n  best {row['best']} (default {row['default']})"
                 if args.sweep

@@ -68,11 +68,9 @@ def check_out(
     device: torch.device,
     *,
     dtype_name: str | None = None,
-    name: str = "out",
 ) -> None:
-    """Raise ValueError naming `op` and the argument `name` unless `out` (an optional output buffer) is
-    None or a contiguous `dtype` tensor of `shape` on `device`; the message calls the dtype
-    `dtype_name` (default `str(dtype)`)."""
+    """Raise ValueError naming `op` unless `out` (an optional output buffer) is None or a contiguous
+    `dtype` tensor of `shape` on `device`; the message calls the dtype `dtype_name` (default `str(dtype)`)."""
     if out is None:
         return
     if (
@@ -90,5 +88,5 @@ def check_out(
         else type(out).__name__
     )
     raise ValueError(
-        f"{op}: {name} must be a contiguous {dtype_name or dtype} tensor {shape} on {device}; got {got}"
+        f"{op}: out must be a contiguous {dtype_name or dtype} tensor {shape} on {device}; got {got}"
     )

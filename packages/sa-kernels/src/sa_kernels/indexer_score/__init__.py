@@ -4,12 +4,10 @@ import torch
 
 from sa_kernels.backend import check_out, resolve_backend
 from sa_kernels.indexer_score import reference
-from sa_kernels.stable_topk.reference import group_maxima
 
 __all__ = ["indexer_score_tile"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_MAXIMA_GROUPS = (1, 2, 4, 8, 16, 32)
 
 
 def indexer_score_tile(
@@ -21,8 +19,6 @@ def indexer_score_tile(
     *,
     candidate_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
-    maxima: torch.Tensor | None = None,
-    maxima_group: int = 8,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Scores of queries `[start, stop)` for every provider group and region, in one fused kernel.
@@ -40,11 +36,6 @@ def indexer_score_tile(
             keeps the scores of regions `first[b, i] <= r < past[b, i]` (indices into `summary`) and
             gets −inf elsewhere, in the same kernel (no second pass over the scores).
         out: optional float32 [batch, groups, stop − start, regions] contiguous tensor to write into.
-        maxima: optional float32 [batch, groups, stop − start, cdiv(regions, maxima_group)]
-            contiguous tensor, written in the same kernel with the largest score of each run of
-            `maxima_group` regions (the last run may be shorter), −inf scores included: the group
-            maxima `stable_topk` narrows its rows with, without a pass over the scores.
-        maxima_group: regions per maximum, a power of two from 1 to 32 (the smallest tile).
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
     Returns:
         float32 [batch, groups, stop − start, regions] (float64 on the reference for float64 inputs).
@@ -53,8 +44,7 @@ def indexer_score_tile(
             `candidate_bounds` not a pair of int64 tensors.
         ValueError: ranks, batch/queries/groups/heads/dim disagree, start/stop out of range, a last-dim stride is
             not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype/layout,
-            `candidate_bounds` not [batch, stop − start] on query's device, `maxima` of the wrong
-            shape/dtype/layout, `maxima_group` not a power of two in [1, 32], bad backend.
+            `candidate_bounds` not [batch, stop − start] on query's device, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
     fn = "indexer_score_tile"
@@ -108,20 +98,11 @@ def indexer_score_tile(
     )
     shape = (batch, groups, stop - start, regions)
     check_out(fn, out, shape, out_dtype, query.device)
-    if maxima is not None:
-        if isinstance(maxima_group, bool) or maxima_group not in _MAXIMA_GROUPS:
-            raise ValueError(
-                f"{fn}: maxima_group must be a power of two from 1 to 32; got {maxima_group!r}"
-            )
-        maxima_shape = (*shape[:3], -(-regions // maxima_group))
-        check_out(fn, maxima, maxima_shape, out_dtype, query.device, name="maxima")
     if chosen == "reference":
         with torch.no_grad():
             result = reference.indexer_score_tile(
                 query, weights, summary, start, stop, candidate_bounds
             )
-            if maxima is not None:
-                maxima.copy_(group_maxima(result, maxima_group))
         if out is None:
             return result
         return out.copy_(result)
@@ -143,7 +124,7 @@ def indexer_score_tile(
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=query.device)
     return triton_kernels.indexer_score_tile(
-        query, weights, summary, start, stop, out, candidate_bounds, maxima, maxima_group
+        query, weights, summary, start, stop, out, candidate_bounds
     )
 
 

@@ -41,23 +41,18 @@ def _weighted_head_sum_store(
     b,
     g,
     pid_q,
-    pid_r,
     n_q,
     R,
     G,
     first,
     past,
-    maxima_ptr,
     HP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
     """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores; with
-    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each). With
-    GROUP > 0 also the maximum of each run of GROUP regions (−inf past R) into maxima
-    `[B, G, n_q, cdiv(R, GROUP)]`: a bound for `stable_topk` that costs no pass over the scores."""
+    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each)."""
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -66,17 +61,6 @@ def _weighted_head_sum_store(
         score = tl.where(candidate, score, float("-inf"))
     out_rows = out_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * R
     tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
-    if GROUP > 0:
-        n_groups = tl.cdiv(R, GROUP)
-        in_row = tl.where(r_ok[None, :], score, float("-inf"))
-        group_max = tl.max(tl.reshape(in_row, [BLOCK_Q, BLOCK_R // GROUP, GROUP]), axis=2)
-        gs = pid_r * (BLOCK_R // GROUP) + tl.arange(0, BLOCK_R // GROUP)
-        max_rows = maxima_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * n_groups
-        tl.store(
-            max_rows[:, None] + gs[None, :],
-            group_max,
-            mask=(oq < n_q)[:, None] & (gs < n_groups)[None, :],
-        )
 
 
 @triton.jit
@@ -130,7 +114,6 @@ def _indexer_score_kernel(
     out_ptr,
     first_ptr,
     past_ptr,
-    maxima_ptr,
     start,
     n_q,
     R,
@@ -153,7 +136,6 @@ def _indexer_score_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
-    GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -191,18 +173,15 @@ def _indexer_score_kernel(
         b,
         g,
         pid_q,
-        pid_r,
         n_q,
         R,
         G,
         first,
         past,
-        maxima_ptr,
         HP,
         BLOCK_Q,
         BLOCK_R,
         HAS_BOUNDS,
-        GROUP,
     )
 
 
@@ -226,7 +205,6 @@ def _indexer_score_resident_kernel(
     out_ptr,
     first_ptr,
     past_ptr,
-    maxima_ptr,
     start,
     n_q,
     R,
@@ -250,7 +228,6 @@ def _indexer_score_resident_kernel(
     BLOCK_R: tl.constexpr,
     DP: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
-    GROUP: tl.constexpr,
     STAGES: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -295,18 +272,15 @@ def _indexer_score_resident_kernel(
                 b,
                 g,
                 pid_q,
-                pid_r,
                 n_q,
                 R,
                 G,
                 first,
                 past,
-                maxima_ptr,
                 HP,
                 BLOCK_Q,
                 BLOCK_R,
                 HAS_BOUNDS,
-                GROUP,
             )
         t += r_hi - r_lo
 
@@ -384,21 +358,7 @@ def _bound_args(bounds, out) -> tuple:
 MAX_QUERY_BLOCKS = 65535
 
 
-def _launch_tiles(
-    query,
-    weights,
-    summary,
-    start,
-    n_q,
-    out,
-    bounds,
-    maxima,
-    maxima_group,
-    cfg,
-    hp,
-    interpret,
-    precision,
-):
+def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision):
     batch, _, groups, heads, dim = query.shape
     regions = summary.shape[1]
     # A program holds whole queries: at least one query's padded heads per block of rows.
@@ -411,25 +371,9 @@ def _launch_tiles(
             n = min(slice_queries, n_q - q0)
             part = out.new_empty(batch, groups, n, regions)
             part_bounds = None if bounds is None else tuple(b[:, q0 : q0 + n] for b in bounds)
-            part_maxima = (
-                None if maxima is None else maxima.new_empty(*maxima.shape[:2], n, maxima.shape[3])
-            )
-            args = (
-                start + q0,
-                n,
-                part,
-                part_bounds,
-                part_maxima,
-                maxima_group,
-                cfg,
-                hp,
-                interpret,
-                precision,
-            )
+            args = (start + q0, n, part, part_bounds, cfg, hp, interpret, precision)
             _launch_tiles(query, weights, summary, *args)
             out[:, :, q0 : q0 + n] = part
-            if maxima is not None:
-                maxima[:, :, q0 : q0 + n] = part_maxima
         return
     first, past, bounds_batch_stride = _bound_args(bounds, out)
     grid = (
@@ -444,7 +388,6 @@ def _launch_tiles(
         out,
         first,
         past,
-        out if maxima is None else maxima,
         start,
         n_q,
         regions,
@@ -458,7 +401,6 @@ def _launch_tiles(
         bounds_batch_stride,
         HP=hp,
         HAS_BOUNDS=bounds is not None,
-        GROUP=maxima_group if maxima is not None else 0,
         DOT_FP32=interpret,
         PRECISION=precision,
         **cfg,
@@ -480,19 +422,7 @@ def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
 
 
 def _launch_resident(
-    query,
-    weights,
-    summary,
-    start,
-    n_q,
-    out,
-    bounds,
-    maxima,
-    maxima_group,
-    cfg,
-    hp,
-    interpret,
-    precision,
+    query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
 ) -> bool:
     """Runs the resident kernel, or returns False where TMA cannot address `summary`."""
     batch, _, groups, heads, dim = query.shape
@@ -513,7 +443,6 @@ def _launch_resident(
         out,
         first,
         past,
-        out if maxima is None else maxima,
         start,
         n_q,
         regions,
@@ -529,7 +458,6 @@ def _launch_resident(
         HP=hp,
         BLOCK_M=block_m,
         HAS_BOUNDS=bounds is not None,
-        GROUP=maxima_group if maxima is not None else 0,
         BLOCK_R=block_r,
         DP=dp,
         STAGES=cfg["num_stages"],
@@ -554,15 +482,11 @@ def indexer_score_tile(
     stop: int,
     out: torch.Tensor,
     bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    maxima: torch.Tensor | None = None,
-    maxima_group: int = 8,
     *,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Writes `out` [B, G, stop − start, R]; `bounds` = the public `candidate_bounds` (int64 [B, stop − start]
-    each, query stride 1) or None; `maxima` = the public `maxima` (contiguous float32
-    [B, G, stop − start, cdiv(R, maxima_group)], maxima_group a power of two dividing every BLOCK_R) or None.
-    `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
+    each, query stride 1) or None. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
 
     The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
     cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
@@ -583,11 +507,11 @@ def indexer_score_tile(
         cfg = dict(DEFAULT_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
     resident = kernel == "resident" and _resident_runs(query, interpret)
-    args = (out, bounds, maxima, maxima_group, cfg, hp, interpret, precision)
-    if resident and _launch_resident(query, weights, summary, start, n_q, *args):
+    if resident and _launch_resident(
+        query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
+    ):
         return out
     if kernel == "resident":
         cfg = dict(_INTERPRET_CONFIG if interpret else _TILES_CONFIG)
-        args = (out, bounds, maxima, maxima_group, cfg, hp, interpret, precision)
-    _launch_tiles(query, weights, summary, start, n_q, *args)
+    _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision)
     return out

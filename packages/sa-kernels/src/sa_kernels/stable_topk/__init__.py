@@ -36,13 +36,7 @@ def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device
 
 
 def stable_topk(
-    scores: torch.Tensor,
-    k: int,
-    dim: int = -1,
-    *,
-    group_maxima: torch.Tensor | None = None,
-    group: int = 8,
-    backend: str = "auto",
+    scores: torch.Tensor, k: int, dim: int = -1, *, backend: str = "auto"
 ) -> torch.Tensor:
     """Positions of the `k` best entries along `dim`, ties broken towards the lower position.
 
@@ -61,21 +55,11 @@ def stable_topk(
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so
       neither call's tie order matters). Two top-k passes, one int32 key tensor of `scores`' shape.
 
-    With `group_maxima` (the largest score of each run of `group` entries, as `indexer_score_tile`
-    writes them while scoring), the Triton path narrows a row to the groups whose maximum reaches
-    the k-th largest maximum (usually k groups) instead of streaming the row twice; the result is
-    the same. The PyTorch path ignores them.
-
     Args:
         scores: [..., n, ...] float16/bfloat16/float32/float64 on any device, without NaN (a NaN
             makes the result unspecified); `n = scores.shape[dim] < 2**30`.
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
-        group_maxima: optional [..., cdiv(n, group), ...] (`scores`' shape and dtype, cdiv(n, group)
-            along `dim`): entry j is the maximum of positions `[j * group, (j + 1) * group)`. They
-            must be exactly those maxima (-0.0 and +0.0 count as equal); other values make the
-            result unspecified.
-        group: entries per maximum, a power of two from 1 to 32.
         backend: "auto", "triton" (on CPU through `TRITON_INTERPRET=1`) or "reference".
     Returns:
         int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen positions along `dim`,
@@ -83,8 +67,7 @@ def stable_topk(
     Raises:
         TypeError: scores is not a floating-point tensor; k or dim is not an int.
         ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
-            float64 tensor or rows longer than 32768; `group_maxima` of another shape, dtype or
-            device than described; `group` not a power of two in [1, 32].
+            float64 tensor or rows longer than 32768.
         RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
@@ -104,8 +87,6 @@ def stable_topk(
         raise ValueError(f"{fn}: k must lie in [0, {n}] (scores.shape[{dim}]); got {k}")
     if n >= _TIE_BASE:
         raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
-    if group_maxima is not None:
-        _check_group_maxima(fn, scores, group_maxima, group, dim)
     resolved = resolve_backend(fn, backend, scores)
     use_triton = _runs_kernel(resolved, scores.dtype, n)
     if backend == "triton" and not use_triton:
@@ -124,38 +105,8 @@ def stable_topk(
             rows = last.reshape(-1, n)
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            maxima = None
-            if group_maxima is not None:
-                maxima = group_maxima.detach().movedim(dim, -1).reshape(rows.shape[0], -1)
-                if maxima.stride(-1) != 1:
-                    maxima = maxima.contiguous()
-            chosen = stable_topk_rows(rows, k, maxima, group)
-            return chosen.view(*last.shape[:-1], k).movedim(-1, dim)
+            return stable_topk_rows(rows, k).view(*last.shape[:-1], k).movedim(-1, dim)
         return _threshold_topk(last, k).movedim(-1, dim)
-
-
-def _check_group_maxima(
-    fn: str, scores: torch.Tensor, maxima: object, group: object, dim: int
-) -> None:
-    if isinstance(group, bool) or group not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"{fn}: group must be a power of two from 1 to 32; got {group!r}")
-    shape = list(scores.shape)
-    shape[dim] = -(-shape[dim] // group)
-    if (
-        not isinstance(maxima, torch.Tensor)
-        or list(maxima.shape) != shape
-        or maxima.dtype != scores.dtype
-        or maxima.device != scores.device
-    ):
-        got = (
-            f"{list(maxima.shape)} {maxima.dtype} on {maxima.device}"
-            if isinstance(maxima, torch.Tensor)
-            else type(maxima).__name__
-        )
-        raise ValueError(
-            f"{fn}: group_maxima must be {scores.dtype} {shape} on {scores.device} "
-            f"(cdiv(n, group={group}) along dim {dim}); got {got}"
-        )
 
 
 def _threshold_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,12 +11,3 @@ def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
     """
     order = torch.sort(scores, dim=dim, descending=True, stable=True).indices
     return torch.sort(order.narrow(dim, 0, k), dim=dim).values
-
-
-def group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
-    """[..., n] → [..., cdiv(n, group)]: the largest entry of each run of `group` positions, the
-    last run possibly shorter (what `stable_topk(..., group_maxima=...)` takes)."""
-    n = scores.shape[-1]
-    runs = -(-n // group)
-    padded = torch.nn.functional.pad(scores, (0, runs * group - n), value=float("-inf"))
-    return padded.reshape(*scores.shape[:-1], runs, group).amax(dim=-1)

@@ -88,12 +88,8 @@ def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: t
 @triton.jit
 def _kth_key(keys, k):
     """`_kth_key_rows` of one row held as keys [N] (the whole-row path: 1-D, as it was measured)."""
-    return _kth_key_from(keys, k, tl.zeros([], dtype=tl.uint32), tl.full([], 31, tl.int32))
-
-
-@triton.jit
-def _kth_key_from(keys, k, prefix, shift):
-    """`_kth_key` with the bits above `shift` already known: they are `prefix`'s (the rest zero)."""
+    prefix = tl.zeros([], dtype=tl.uint32)
+    shift = tl.full([], 31, tl.int32)
     searching = shift >= 0  # a scalar True; False once exactly k keys reach `prefix`
     while searching:
         candidate = prefix | (tl.full([], 1, tl.uint32) << shift.to(tl.uint32))
@@ -127,84 +123,6 @@ def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.co
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
         above_total = tl.sum((keys > threshold).to(tl.int32), axis=0)
         _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, OUTPUT_TILE)
-
-
-@triton.jit
-def _walk_start(low, high):
-    """(prefix, shift) for a walk whose answer lies in [low, high] (uint32 keys, low < high): every key
-    in that range shares their common top bits, so the walk begins below them."""
-    diff = low ^ high
-    shift = tl.full([], 31, tl.int32)
-    while ((diff >> shift.to(tl.uint32)) & 1) == 0:
-        shift -= 1
-    # bits above `shift`: (2 << 31) wraps to 0 in uint32, so the mask is then all ones
-    below = (tl.full([], 2, tl.uint32) << shift.to(tl.uint32)) - 1
-    return high & ~below, shift
-
-
-@triton.jit
-def _grouped_row(
-    row_scores,
-    row_maxima,
-    row_out,
-    row_slots,
-    n,
-    n_groups,
-    k,
-    GROUP: tl.constexpr,
-    MAXIMA_BLOCK: tl.constexpr,
-    HELD: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One row narrowed by the maxima of its runs of GROUP entries (written by the scoring kernel).
-
-    The k-th largest maximum `bound` is reached by at least k entries, so every kept entry lies in a
-    group whose maximum reaches it: usually exactly k groups (HELD >= k), whose entries are held and
-    walked, the walk starting below the common top bits of `bound` and the row's maximum. Where more
-    than HELD maxima tie at `bound` (relu-weighted scores tie at 0; rows of few finite scores tie at
-    -inf), the groups above it (fewer than k) are held instead: if at least k of their entries are
-    above `bound` the answer is among them, else `bound` is the k-th largest key and one pass over
-    the row stores the kept positions.
-    """
-    g = tl.arange(0, MAXIMA_BLOCK)
-    group_keys = _order_keys(row_maxima, g, n_groups)  # padding: key 0, below every score
-    bound = _kth_key(group_keys, k)
-    top = tl.max(group_keys, axis=0)
-    held = (group_keys >= bound) & (g < n_groups)
-    strict = tl.sum(held.to(tl.int32), axis=0) > HELD
-    if strict:
-        held = group_keys > bound
-    held_count = tl.sum(held.to(tl.int32), axis=0)
-    # the held groups' ids, ascending, through the output row's memory (read back by every thread)
-    tl.store(row_slots + tl.cumsum(held.to(tl.int32), axis=0) - 1, g, mask=held)
-    tl.debug_barrier()
-    i = tl.arange(0, HELD)
-    groups = tl.load(row_slots + i, mask=i < held_count, other=0)
-    tl.debug_barrier()  # every slot is read before the output overwrites it
-    positions = tl.reshape(groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :], [HELD * GROUP])
-    present = tl.reshape(
-        (i < held_count)[:, None] & tl.full([1, GROUP], 1, tl.int1), [HELD * GROUP]
-    )
-    keys = tl.where(present, _order_keys(row_scores, positions, n), 0)
-    if strict:
-        above = tl.sum((keys > bound).to(tl.int32), axis=0)
-        if above < k:  # at least k reach `bound` (k maxima do), fewer pass it: it is the k-th key
-            _store_kept_tiles(row_scores, row_out, n, k, bound, above, CHUNK)
-        else:
-            low = bound + 1
-            if low == top:
-                threshold = top
-            else:
-                prefix, shift = _walk_start(low, top)
-                threshold = _kth_key_from(keys, k, prefix, shift)
-            _store_kept(keys, positions, threshold, k, row_out)
-    else:
-        if bound == top:
-            threshold = top
-        else:
-            prefix, shift = _walk_start(bound, top)
-            threshold = _kth_key_from(keys, k, prefix, shift)
-        _store_kept(keys, positions, threshold, k, row_out)
 
 
 @triton.jit
@@ -357,40 +275,19 @@ def _stable_topk_kernel(
     scores_ptr,
     out_ptr,
     slots_ptr,
-    maxima_ptr,
     n_rows,
     n,
-    n_groups,
     k,
     stride_row,
     stride_out,
-    stride_maxima,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
     MAXIMA: tl.constexpr,
     CHUNK: tl.constexpr,
     PREFILTER_STAGES: tl.constexpr,
-    GROUP: tl.constexpr,
-    MAXIMA_BLOCK: tl.constexpr,
-    HELD: tl.constexpr,
 ):
-    if GROUP > 0:  # the caller's group maxima narrow the row
-        row = tl.program_id(0).to(tl.int64)
-        _grouped_row(
-            scores_ptr + row * stride_row,
-            maxima_ptr + row * stride_maxima,
-            out_ptr + row * stride_out,
-            slots_ptr + row * (2 * stride_out),
-            n,
-            n_groups,
-            k,
-            GROUP,
-            MAXIMA_BLOCK,
-            HELD,
-            CHUNK,
-        )
-    elif MAXIMA > 0:  # the prefilter, streaming the rows in CHUNK-entry tiles (never a whole row)
+    if MAXIMA > 0:  # the prefilter, streaming the rows in CHUNK-entry tiles (never a whole row)
         _prefiltered_rows(
             scores_ptr,
             out_ptr,
@@ -423,7 +320,6 @@ class LaunchConfig:
     """How a row maps onto one program; every config returns the same positions.
 
     num_warps: warps per program (row).
-    grouped_warps: warps per program (row) where the caller's group maxima narrow the rows.
     output_tile: 0 = the output phase's prefix sums over the whole row from registers; a power of two =
         re-read the row in tiles of that many entries (fewer live registers).
     prefilter: 0, or narrow the row before the walk to the keys reaching the k-th largest maximum of
@@ -442,7 +338,6 @@ class LaunchConfig:
     """
 
     num_warps: int = 4
-    grouped_warps: int = 4
     output_tile: int = 0
     prefilter: int = 0
     prefilter_chunk: int = PREFILTER_CHUNK
@@ -485,20 +380,12 @@ def _prefilter_maxima(config: LaunchConfig, block: int, k: int) -> int:
 
 
 def stable_topk_rows(
-    scores: torch.Tensor,
-    k: int,
-    group_maxima: torch.Tensor | None = None,
-    group: int = 0,
-    *,
-    _config: LaunchConfig | None = None,
+    scores: torch.Tensor, k: int, *, _config: LaunchConfig | None = None
 ) -> torch.Tensor:
     """`stable_topk` of every row of `scores` (no validation: internal).
 
     Args:
         scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= TRITON_MAX_ROW`.
-        group_maxima: optional [rows, cdiv(n, group)] float32, last-dim stride 1: the largest score of
-            each run of `group` entries of the row (a power of two), which narrows the row instead of
-            the strided prefilter.
         _config: override the launch (benchmark sweeps; the result does not change).
     Returns:
         int64 [rows, k], ascending positions per row.
@@ -509,69 +396,23 @@ def stable_topk_rows(
         return out
     block = max(16, triton.next_power_of_2(n))
     config = _config or default_config(block, k)
-    if group_maxima is not None:
-        return _grouped_rows(scores, k, group_maxima, group, out, config)
     maxima = _prefilter_maxima(config, block, k)
     per_program = config.rows_per_program if maxima else 1
     _stable_topk_kernel[(triton.cdiv(rows, per_program),)](
         scores,
         out,
         out.view(torch.int32),
-        scores,
         rows,
         n,
-        0,
         k,
         scores.stride(0),
         out.stride(0),
-        0,
         BLOCK_N=block,
         ROWS=per_program,
         OUTPUT_TILE=min(config.output_tile, block),
         MAXIMA=maxima,
         CHUNK=max(maxima, config.prefilter_chunk),
         PREFILTER_STAGES=config.prefilter_stages,
-        GROUP=0,
-        MAXIMA_BLOCK=1,
-        HELD=1,
         num_warps=config.num_warps,
-    )
-    return out
-
-
-def _grouped_rows(
-    scores: torch.Tensor,
-    k: int,
-    group_maxima: torch.Tensor,
-    group: int,
-    out: torch.Tensor,
-    config: LaunchConfig,
-) -> torch.Tensor:
-    """`stable_topk_rows` narrowed by the caller's group maxima: one program per row."""
-    rows, n = scores.shape
-    n_groups = group_maxima.shape[1]
-    _stable_topk_kernel[(rows,)](
-        scores,
-        out,
-        out.view(torch.int32),
-        group_maxima,
-        rows,
-        n,
-        n_groups,
-        k,
-        scores.stride(0),
-        out.stride(0),
-        group_maxima.stride(0),
-        BLOCK_N=1,
-        ROWS=1,
-        OUTPUT_TILE=0,
-        MAXIMA=0,
-        CHUNK=min(PREFILTER_CHUNK, max(16, triton.next_power_of_2(n))),
-        PREFILTER_STAGES=1,
-        GROUP=group,
-        MAXIMA_BLOCK=max(16, triton.next_power_of_2(n_groups)),
-        # held groups: at least k, and their ids fit the output row's 2k int32 slots
-        HELD=triton.next_power_of_2(k),
-        num_warps=config.grouped_warps,
     )
     return out

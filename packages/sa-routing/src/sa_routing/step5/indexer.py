@@ -58,9 +58,8 @@ class Step5SparseIndexer(nn.Module):
         self.rotary = Step5IndexerRotaryEmbedding(config.rope_dim, config.rope_theta_for(layer_idx))
         self.requires_grad_(False)
         self.selection_options: dict = {}
-        """Keyword options of `select_regions` (region_chunk, score_budget_bytes, method, maxima_group,
-        backend), plus `project_rows`: query rows projected per call (default
-        `PROJECT_CHUNK_QUERIES`)."""
+        """Keyword options of `select_regions` (region_chunk, score_budget_bytes, method, backend), plus
+        `project_rows`: query rows projected per call (default `PROJECT_CHUNK_QUERIES`)."""
 
     @torch.no_grad()
     def project_keys(

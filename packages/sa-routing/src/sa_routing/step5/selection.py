@@ -11,8 +11,6 @@ from collections.abc import Callable
 import torch
 
 from sa_kernels import indexer_score_tile, stable_topk
-from sa_kernels.backend import resolve_backend
-from sa_kernels.stable_topk import TRITON_MAX_ROW
 
 from .layouts import RegionMetadata, ScoreTile
 from .sparse_rows import write_sparse_rows
@@ -21,9 +19,6 @@ _LOW = 2**32
 _ID_FLIP = 2**31 - 1
 _MASKED = torch.iinfo(torch.int64).min
 METHODS = ("threshold", "composite")
-MAXIMA_GROUP = 8
-"""Regions per group maximum that the scoring kernel writes for `stable_topk` (method "threshold",
-Triton): the top-k then reads the k groups whose maxima reach the k-th largest maximum, not the row."""
 
 
 def select_regions(
@@ -35,7 +30,6 @@ def select_regions(
     region_chunk: int = 16384,
     score_budget_bytes: int = 2**30,
     method: str = "threshold",
-    maxima_group: int = MAXIMA_GROUP,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Region ids of every (batch, provider group, query): int32 [B, G, Q, topk + 1], ascending.
@@ -57,10 +51,6 @@ def select_regions(
             (`sa_kernels.stable_topk` on the running candidates, whose ids ascend: a Triton radix
             select on CUDA, two PyTorch top-k passes otherwise) or "composite" (one int64 top-k over
             `(order-preserving score bits << 32) | (2**31 - 1 - id)`).
-        maxima_group: with method "threshold" on the Triton path, the scoring kernel also writes the
-            maximum of every run of this many regions and `stable_topk` narrows each row with them
-            (a power of two up to 32; 0 = not: it streams the row). Rows of at most
-            `topk * maxima_group` candidates are not narrowed. Results do not depend on it.
         backend: the backend of `indexer_score_tile` and of writing the kept ids ("auto": Triton on
             CUDA).
     Raises:
@@ -80,7 +70,6 @@ def select_regions(
         region_chunk=region_chunk,
         score_budget_bytes=score_budget_bytes,
         method=method,
-        maxima_group=maxima_group,
         backend=backend,
     )
 
@@ -94,7 +83,6 @@ def select_regions_tiled(
     region_chunk: int = 16384,
     score_budget_bytes: int = 2**30,
     method: str = "threshold",
-    maxima_group: int = MAXIMA_GROUP,
     backend: str = "auto",
     _mark: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
@@ -108,10 +96,6 @@ def select_regions_tiled(
         raise ValueError(f"select_regions: method must be one of {METHODS}; got {method!r}")
     if isinstance(region_chunk, bool) or not isinstance(region_chunk, int) or region_chunk < 1:
         raise ValueError(f"select_regions: region_chunk must be an int >= 1; got {region_chunk!r}")
-    if isinstance(maxima_group, bool) or maxima_group not in (0, 1, 2, 4, 8, 16, 32):
-        raise ValueError(
-            f"select_regions: maxima_group must be 0 or a power of two up to 32; got {maxima_group!r}"
-        )
     mark = _mark if _mark is not None else _no_mark
     out = select_regions_dense(metadata, groups)
     merged = _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes)
@@ -127,7 +111,6 @@ def select_regions_tiled(
             tile,
             region_chunk,
             method,
-            maxima_group,
             backend,
             mark,
         )
@@ -163,7 +146,6 @@ def _tile_topk(
     tile: ScoreTile,
     region_chunk: int,
     method: str,
-    maxima_group: int,
     backend: str,
     mark: Callable[[str], None] = _no_mark,
 ) -> tuple[torch.Tensor, int]:
@@ -187,29 +169,8 @@ def _tile_topk(
         # "threshold": the kernel writes -inf outside each query's candidates [first, current), so
         # no pass over the scores masks them (rows of non-sparse queries are discarded by the caller)
         bounds = (first - c0, current - c0) if method == "threshold" else None
-        # group maxima narrow the first chunk's top-k (a later one also holds the running state)
-        narrow = (
-            method == "threshold"
-            and maxima_group > 0
-            and best_scores is None
-            and topk * maxima_group < c1 - c0 <= TRITON_MAX_ROW
-            and resolve_backend("select_regions", backend, query) == "triton"
-        )
-        maxima = None
-        if narrow:
-            groups = query.shape[2]
-            n_maxima = -(-(c1 - c0) // maxima_group)
-            maxima = query.new_empty(1, groups, q1 - q0, n_maxima, dtype=torch.float32)
         tile_scores = indexer_score_tile(
-            query,
-            weights,
-            summary[:, c0:c1],
-            0,
-            q1 - q0,
-            candidate_bounds=bounds,
-            maxima=maxima,
-            maxima_group=maxima_group or MAXIMA_GROUP,
-            backend=backend,
+            query, weights, summary[:, c0:c1], 0, q1 - q0, candidate_bounds=bounds, backend=backend
         )
         scores = tile_scores[0]
         region = torch.arange(c0, c1, device=scores.device)
@@ -238,12 +199,7 @@ def _tile_topk(
             continue
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
-        if maxima is not None:
-            chosen = stable_topk(
-                scores, topk, group_maxima=maxima[0], group=maxima_group, backend="triton"
-            )
-        else:
-            chosen = stable_topk(scores, topk)
+        chosen = stable_topk(scores, topk)
         # 1-D ids are this chunk's regions, c0 + position; on the last chunk the positions are kept
         # and c0 is added when they are written, a later chunk needs the ids themselves
         if ids.dim() == 1 and c1 == r1:
