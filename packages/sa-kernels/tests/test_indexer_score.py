@@ -245,6 +245,58 @@ def test_reference_is_the_weighted_sum_of_relu_dot_products():
                 assert abs(float(got[0, g, i, r]) - want) < 1e-4
 
 
+def _pairwise(terms: list[float]) -> float:
+    """FP32 sum of the terms in pairs, level by level: ((t0 + t1) + (t2 + t3)) + ..."""
+    level = [torch.tensor(t, dtype=torch.float32) for t in terms]
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    return float(level[0])
+
+
+GPU_CONFIGS = [triton_kernels.DEFAULT_CONFIG, triton_kernels._TILES_CONFIG]
+
+
+@pytest.mark.parametrize("heads", [4, 8, 5])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(triton_kernels._INTERPRET_CONFIG),
+        _resident(programs=2),
+        *(pytest.param(cfg, marks=pytest.mark.gpu) for cfg in GPU_CONFIGS),
+    ],
+    ids=_config_id,
+)
+def test_heads_are_summed_in_pairs_in_every_kernel(cfg, heads):
+    """Terms [1, 0, 2^-24, 2^-24, ...]: in pairs the two small ones add up to 2^-23 and survive
+    (1 + 2^-23); one after another each is rounded away. Every kernel must give the pairwise bits,
+    whichever lanes its layout puts the heads in (padded heads add 0)."""
+    tiny = 2.0**-24
+    terms = [1.0, 0.0, tiny, tiny, 0.0, 0.0, tiny, tiny][:heads]
+    query = torch.zeros(1, 9, 1, heads, 16, dtype=torch.bfloat16)
+    query[..., 0] = 1.0
+    summary = torch.zeros(1, 20, 16, dtype=torch.bfloat16)
+    summary[..., 0] = 1.0
+    weights = torch.tensor(terms).view(1, 1, 1, heads).expand(1, 9, 1, heads).contiguous()
+    if cfg in GPU_CONFIGS:
+        query, weights, summary = query.cuda(), weights.cuda(), summary.cuda()
+    out = torch.empty(1, 1, 9, 20, device=query.device)
+    triton_kernels.indexer_score_tile(query, weights, summary, 0, 9, out, _config=cfg)
+    padded = terms + [0.0] * (triton.next_power_of_2(heads) - heads)
+    want = _pairwise(padded)
+    assert want != sum(padded[:1]) or heads < 4  # the order shows
+    assert bool((out == want).all()), (out.unique(), want)
+
+
+@pytest.mark.parametrize(("heads", "block_m"), [(16, 64), (128, 128), (3, 16)])
+def test_many_heads_per_group_match_the_reference(heads, block_m):
+    query, weights, summary = _inputs(1, 6, 2, heads, 16, 24, seed=heads)
+    cfg = {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_D": 16, "num_warps": 4, "num_stages": 1}
+    out = torch.empty(1, 2, 6, 24)
+    triton_kernels.indexer_score_tile(query, weights, summary, 0, 6, out, _config=cfg)
+    expected = reference.indexer_score_tile(query, weights, summary, 0, 6)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
 def test_strided_summary_slice_and_empty_tile():
     query, weights, summary = _inputs(2, 20, 2, 4, 32, 60, torch.bfloat16)
     part = summary[:, 5:41]

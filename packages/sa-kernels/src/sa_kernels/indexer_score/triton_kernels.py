@@ -52,9 +52,30 @@ def _weighted_head_sum_store(
     HAS_BOUNDS: tl.constexpr,
 ):
     """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores; with
-    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each)."""
+    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each).
+
+    The rows are ordered as `_query_rows` lays them out, and the heads are summed in pairs, level by
+    level ((h0 + h1) + (h2 + h3) ...): a sum of two is the same whichever thread adds it, so every
+    kernel and layout gives the same bits."""
+    Q_LO: tl.constexpr = BLOCK_Q if BLOCK_Q < 4 else 4
+    H_LO: tl.constexpr = HP if HP < 2 else 2
+    H_HI: tl.constexpr = HP // H_LO
+    Q_HI: tl.constexpr = BLOCK_Q // Q_LO
     weighted = tl.maximum(acc, 0.0) * w[:, None]
-    score = tl.sum(tl.reshape(weighted, [BLOCK_Q, HP, BLOCK_R]), axis=1)
+    x = tl.sum(tl.reshape(weighted, [Q_HI, H_LO, H_HI, Q_LO, BLOCK_R]), axis=1)
+    if H_HI >= 2:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 2, 2, Q_LO, BLOCK_R]), axis=2)
+    if H_HI >= 4:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 4, 2, Q_LO, BLOCK_R]), axis=2)
+    if H_HI >= 8:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 8, 2, Q_LO, BLOCK_R]), axis=2)
+    if H_HI >= 16:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 16, 2, Q_LO, BLOCK_R]), axis=2)
+    if H_HI >= 32:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 32, 2, Q_LO, BLOCK_R]), axis=2)
+    if H_HI >= 64:
+        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 64, 2, Q_LO, BLOCK_R]), axis=2)
+    score = tl.reshape(x, [BLOCK_Q, BLOCK_R])
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
         candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < past[:, None])
@@ -98,10 +119,24 @@ def _query_rows(
     HP: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """A block's query-head rows: (row pointers, global query positions, head of each row, valid rows)."""
+    """A block's query-head rows: (row pointers, global query positions, head of each row, valid rows).
+
+    Row m holds query `q_hi * Q_LO + q_lo` and head `h_hi * H_LO + h_lo` for
+    `m = ((q_hi * H_LO + h_lo) * H_HI + h_hi) * Q_LO + q_lo` (Q_LO = 4, H_LO = 2 where they fit):
+    in the Hopper MMA layout of 8 warps a thread's two rows m and m + 8 are then two heads of one
+    query (summed without a shuffle) and the next pair sits one lane away (one shuffle), where
+    query-major rows put all four heads in different lanes (offline sm_90a SASS, 2026-11-30)."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // HP
+    Q_LO: tl.constexpr = BLOCK_Q if BLOCK_Q < 4 else 4
+    H_LO: tl.constexpr = HP if HP < 2 else 2
+    H_HI: tl.constexpr = HP // H_LO
     m = tl.arange(0, BLOCK_M)
-    qi = pid_q * (BLOCK_M // HP) + m // HP
-    h = m % HP
+    q_lo = m % Q_LO
+    h_hi = (m // Q_LO) % H_HI
+    h_lo = (m // (Q_LO * H_HI)) % H_LO
+    q_hi = m // (Q_LO * H_HI * H_LO)
+    qi = pid_q * BLOCK_Q + q_hi * Q_LO + q_lo
+    h = h_hi * H_LO + h_lo
     q_pos = (start + qi).to(tl.int64)
     return q_ptr + b * sq_b + q_pos * sq_q + g * sq_g + h * sq_h, q_pos, h, (qi < n_q) & (h < H)
 
