@@ -46,15 +46,13 @@ def _weighted_head_sum_store(
     G,
     first,
     past,
-    whole,
     HP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
 ):
     """relu, head weights, sum over each query's HP rows, store `[BLOCK_Q, BLOCK_R]` FP32 scores; with
-    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each). `whole`
-    (a scalar, from `_whole_columns`) says that no column needs a mask: then none is computed.
+    HAS_BOUNDS, −inf outside each query's candidate regions `[first, past)` ([BLOCK_Q] each).
 
     The rows are ordered as `_query_rows` lays them out, and the heads are summed in pairs, level by
     level ((h0 + h1) + (h2 + h3) ...): a sum of two is the same whichever thread adds it, so every
@@ -79,14 +77,11 @@ def _weighted_head_sum_store(
         x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 64, 2, Q_LO, BLOCK_R]), axis=2)
     score = tl.reshape(x, [BLOCK_Q, BLOCK_R])
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if HAS_BOUNDS:
+        candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < past[:, None])
+        score = tl.where(candidate, score, float("-inf"))
     out_rows = out_ptr + ((b * G + g) * n_q + oq.to(tl.int64)) * R
-    if whole:  # every column is a candidate of every query and lies below R: no column mask
-        tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None])
-    else:
-        if HAS_BOUNDS:
-            candidate = (rs[None, :] >= first[:, None]) & (rs[None, :] < past[:, None])
-            score = tl.where(candidate, score, float("-inf"))
-        tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
+    tl.store(out_rows[:, None] + rs[None, :], score, mask=(oq < n_q)[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -99,26 +94,13 @@ def _query_bounds(
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
         first = tl.load(first_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
-        past = tl.load(past_ptr + b * sb_b + oq, mask=oq < n_q, other=R)
+        past = tl.load(past_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
         first = tl.minimum(tl.maximum(first, 0), R).to(tl.int32)
         past = tl.minimum(tl.maximum(past, 0), R).to(tl.int32)
     else:
         first = tl.zeros([BLOCK_Q], dtype=tl.int32)
         past = first
     return first, past
-
-
-@triton.jit
-def _whole_columns(first, past, R, HAS_BOUNDS: tl.constexpr):
-    """The columns `[lo, hi)` that every query of the block keeps (and that lie below R): a tile
-    inside them needs no column mask."""
-    if HAS_BOUNDS:
-        lo = tl.max(first, axis=0)
-        hi = tl.min(past, axis=0)
-    else:
-        lo = 0
-        hi = R
-    return lo, hi
 
 
 @triton.jit
@@ -217,8 +199,6 @@ def _indexer_score_kernel(
         acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
     w = tl.load(w_ptr + b * sw_b + q_pos * sw_q + g * sw_g + h * sw_h, mask=row_ok, other=0.0)
     first, past = _query_bounds(first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, BLOCK_Q, HAS_BOUNDS)
-    lo, hi = _whole_columns(first, past, R, HAS_BOUNDS)
-    whole = (pid_r * BLOCK_R >= lo) & ((pid_r + 1) * BLOCK_R <= hi)
     _weighted_head_sum_store(
         acc,
         w,
@@ -233,7 +213,6 @@ def _indexer_score_kernel(
         G,
         first,
         past,
-        whole,
         HP,
         BLOCK_Q,
         BLOCK_R,
@@ -309,7 +288,6 @@ def _indexer_score_resident_kernel(
         first, past = _query_bounds(
             first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, BLOCK_Q, HAS_BOUNDS
         )
-        lo, hi = _whole_columns(first, past, R, HAS_BOUNDS)
         s_row0 = (b * s_batch_rows).to(tl.int32)
         for pid_r in tl.range(r_lo, r_hi, num_stages=STAGES):
             rs = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -320,7 +298,6 @@ def _indexer_score_resident_kernel(
                 st = st.to(tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             acc = tl.dot(qt, tl.trans(st), acc, input_precision=PRECISION)
-            whole = (pid_r * BLOCK_R >= lo) & ((pid_r + 1) * BLOCK_R <= hi)
             _weighted_head_sum_store(
                 acc,
                 w,
@@ -335,7 +312,6 @@ def _indexer_score_resident_kernel(
                 G,
                 first,
                 past,
-                whole,
                 HP,
                 BLOCK_Q,
                 BLOCK_R,
