@@ -3,7 +3,8 @@
 Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row at 128k tokens, 8192
 at 32k, keep 512) and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
-deterministic on ties) and a row copy (bandwidth floor: the kernel reads each score once).
+deterministic on ties), a row copy (bandwidth floor: the kernel reads each score once) and, where
+the public call runs the Gluon prefilter (SM90), the Triton kernel itself.
 `--sweep` also times, per shape, warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) and
 software-pipelined prefilter loads around the default, checks each against the PyTorch path, and
 prints the best.
@@ -18,6 +19,7 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import stable_topk
+from sa_kernels.stable_topk import gluon_prefilter_applies
 from sa_kernels.stable_topk.triton_kernels import (
     LaunchConfig,
     _prefilter_maxima,
@@ -29,6 +31,7 @@ SHAPES = [
     (2048, 32768, 512),
     (2048, 16384, 512),
     (4096, 8192, 512),
+    (4096, 6000, 512),
     (4096, 4096, 512),
     (8192, 2048, 64),
 ]
@@ -53,6 +56,10 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
     torch_ms = do_bench(lambda: stable_topk(scores, k, backend="reference"), rep=100)
     topk_ms = do_bench(lambda: torch.topk(scores, k, dim=-1, sorted=False), rep=100)
     copy_ms = do_bench(scores.clone, rep=100)
+    # the Triton kernel itself, where `stable_topk` runs the Gluon one (SM90, narrowed rows)
+    triton_kernel = stable_topk_rows(scores, k)
+    assert torch.equal(triton_kernel, got), (rows, n, k)
+    triton_kernel_ms = do_bench(lambda: stable_topk_rows(scores, k), rep=100)
     row = {
         "rows": rows,
         "n": n,
@@ -61,6 +68,8 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         "torch_path_ms": torch_ms,
         "torch_topk_ms": topk_ms,
         "copy_ms": copy_ms,
+        "gluon_runs": gluon_prefilter_applies(scores, k),
+        "triton_kernel_ms": triton_kernel_ms,
         "speedup_vs_torch_path": torch_ms / triton_ms,
         "gbps": rows * n * 4 / triton_ms / 1e6,
     }
@@ -121,7 +130,9 @@ def main() -> None:
         print(
             f"[{rows}, {n}] k {k}: triton {row['triton_ms']:.3f} ms ({row['gbps']:.0f} GB/s), "
             f"torch path {row['torch_path_ms']:.3f} ({row['speedup_vs_torch_path']:.2f}x), "
-            f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}"
+            f"torch.topk {row['torch_topk_ms']:.3f}, copy {row['copy_ms']:.3f}, "
+            f"Triton kernel {row['triton_kernel_ms']:.3f}"
+            + (" (the public call ran Gluon)" if row["gluon_runs"] else "")
             + (
                 f"\n  sweep {row['sweep_ms']}\n  best {row['best']} (default {row['default']})"
                 if args.sweep

@@ -260,3 +260,55 @@ def test_default_launch_narrows_long_rows_with_maxima_sized_from_k(block, k, max
     """The H200-measured defaults (k 512) and their extension to larger k: 2k maxima rounded up to a
     power of two, only where the block holds 4 entries per maximum."""
     assert _prefilter_maxima(default_config(block, k), block, k) == maxima
+
+
+def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor]:
+    """Rows that take every path of the prefilter: the usual narrow walk, a bound that is the k-th
+    key (relu zeros, fewer finite scores than k), heavy ties above the bound, clustered scores."""
+    generator = torch.Generator().manual_seed(n + k)
+    random = torch.randn(rows, n, generator=generator)
+    few = torch.full((rows, n), float("-inf"))
+    few[:, 7 : 7 + k // 2] = random[:, : k // 2]
+    clustered = random - 10.0
+    clustered[:, n // 3 : n // 3 + 3 * k] += 12.0
+    heavy = torch.randint(0, 3, (rows, n), generator=generator).float()
+    heavy[:, :: max(1, n // (3 * k))] = 5.0  # about 3k entries tie above the bound
+    signed = random.clone()
+    signed[:, ::3] = -0.0
+    signed[:, 1::3] = 0.0
+    kinds = {
+        "random": random,
+        "relu-zero-ties": (random - 1.5).relu(),
+        "fewer-finite-than-k": few,
+        "clustered": clustered,
+        "heavy-ties-above-bound": heavy,
+        "integer-ties": torch.randint(-3, 4, (rows, n), generator=generator).float(),
+        "signed-zeros": signed,
+    }
+    return {name: rows_.to(device) for name, rows_ in kinds.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("n", "k"), [(16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)]
+)
+def test_cuda_gluon_prefilter_equals_the_stable_sort_on_every_path(n, k, dtype):
+    from sa_kernels.stable_topk import gluon_kernels, gluon_prefilter_applies
+
+    for name, scores in _row_kinds(64, n, k, "cuda").items():
+        scores = scores.to(dtype)
+        assert gluon_prefilter_applies(scores, k) == (torch.cuda.get_device_capability()[0] == 9)
+        expected = reference.stable_topk(scores, k)
+        assert torch.equal(gluon_kernels.stable_topk_rows(scores, k), expected), name
+        assert torch.equal(stable_topk(scores, k), expected), name
+
+
+@pytest.mark.gpu
+def test_cuda_gluon_prefilter_leaves_other_rows_to_triton():
+    from sa_kernels.stable_topk import gluon_prefilter_applies
+
+    scores = torch.randn(4, 8192, device="cuda")
+    assert not gluon_prefilter_applies(scores[:, :4095], 5)  # too short for the prefilter
+    assert not gluon_prefilter_applies(scores, 513)  # 2k above the 1024 survivors' slots
+    assert not gluon_prefilter_applies(scores.cpu(), 5)

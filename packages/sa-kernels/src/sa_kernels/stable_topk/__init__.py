@@ -1,10 +1,17 @@
 """Deterministic top-k: the k best entries by (score descending, position ascending), without a full sort."""
 
+import functools
+
 import torch
 
-from sa_kernels.backend import has_triton, resolve_backend
+from sa_kernels.backend import has_triton, resolve_backend, triton_interpret
 
-__all__ = ["TRITON_MAX_ROW", "stable_topk", "stable_topk_workspace_bytes"]
+__all__ = [
+    "TRITON_MAX_ROW",
+    "gluon_prefilter_applies",
+    "stable_topk",
+    "stable_topk_workspace_bytes",
+]
 
 TRITON_MAX_ROW = 32768
 """Longest row the Triton path takes (the lengths it was run and timed at on the GPU); longer rows take
@@ -50,6 +57,8 @@ def stable_topk(
       per row (by default), radix select of the k-th best score then a prefix sum (`triton_kernels`;
       rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
       strided group maxima); reads the scores one to three times, no workspace beyond the output.
+      On SM90 GPUs the narrowed rows (4096 to 32768 entries, `k <= 512`) run the same algorithm
+      written in Gluon (`gluon_kernels`, `gluon_prefilter_applies`).
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so
@@ -100,13 +109,35 @@ def stable_topk(
             shape = (*last.shape[:-1], 0)
             return torch.empty(shape, dtype=torch.int64, device=scores.device).movedim(-1, dim)
         if use_triton:
-            from .triton_kernels import stable_topk_rows
-
             rows = last.reshape(-1, n)
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
+            if gluon_prefilter_applies(rows, k):
+                from .gluon_kernels import stable_topk_rows
+            else:
+                from .triton_kernels import stable_topk_rows
             return stable_topk_rows(rows, k).view(*last.shape[:-1], k).movedim(-1, dim)
         return _threshold_topk(last, k).movedim(-1, dim)
+
+
+def gluon_prefilter_applies(rows: torch.Tensor, k: int) -> bool:
+    """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
+    scores: an SM90 GPU (where it was measured), a Triton with Gluon, not the interpreter, and rows
+    the Gluon kernel takes (`gluon_kernels.applies`: 4096 to 32768 entries, `2k <= 1024`)."""
+    if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
+        return False
+    if _capability(rows.device.index)[0] != 9:
+        return False
+    try:
+        from . import gluon_kernels
+    except (ImportError, AttributeError):  # a Triton without Gluon, or without a name it uses
+        return False
+    return gluon_kernels.applies(rows.shape[-1], k)
+
+
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _threshold_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,256 @@
+"""`stable_topk`'s prefilter path in Gluon: the algorithm of `triton_kernels._prefiltered_rows`, with
+each thread owning a run of adjacent entries.
+
+Why: the Triton kernel is bound by its instructions (ncu on the H200: ALU 78 % busy), and most of
+them go to prefix sums whose layout Triton chooses: the compaction of the keys above the bound took
+about 52 thread instructions per entry, four separate warp scans per 1024-entry chunk among them.
+Here a chunk is `[threads, RUN]`, thread t holding the RUN entries `t * RUN ...`: a prefix sum is a
+sum within the thread plus one scan over the threads' counts, and loads are 16-byte vectors.
+
+The path, per row (one program, 4 warps): the maxima of 1024 strided groups (position mod 1024: each
+thread keeps the maxima of its own RUN columns, so no thread talks to another); the k-th largest
+maximum `bound` (a bit-by-bit walk); the positions of the keys above `bound` compacted in position
+order into the output row's memory (2k int32 slots); then, as in the Triton kernel: between k and 2k
+of them (the usual case), the walk over those keys and the kept positions written ascending; fewer
+than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k (heavy
+ties above the bound), a walk that re-reads the row per step. Same keys and tie order as
+`triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same positions.
+
+Gluon has no interpreter: this kernel runs on SM90 GPUs only (`gpu` tests against the oracle and the
+Triton kernel); elsewhere the Triton kernel runs.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from sa_kernels.gluon_compat import cta_barrier
+
+MAXIMA = 1024
+"""Strided groups whose maxima give the bound; also the survivors' capacity (at least 2k)."""
+WARPS = 4
+RUN = MAXIMA // (32 * WARPS)
+"""Adjacent entries per thread in a chunk of MAXIMA entries (8: two 16-byte loads of FP32)."""
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _keys_of(x):
+    """uint32 keys of float32 scores x, whose unsigned order is the scores' order."""
+    x = gl.where(x == 0.0, 0.0, x)  # -0.0 ties with +0.0, as in torch.sort
+    bits = x.to(gl.uint32, bitcast=True)
+    return gl.where((bits & 0x80000000) != 0, ~bits, bits | 0x80000000)
+
+
+@gluon.jit
+def _score_of(key):
+    """The float32 score of a scalar key (`_keys_of`'s inverse; +0.0 for the key of zero)."""
+    bits = gl.where((key & 0x80000000) != 0, key & 0x7FFFFFFF, ~key)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _total(x):
+    """Sum of every entry of a [threads, RUN] tensor (a scalar)."""
+    return gl.sum(gl.sum(x, axis=1), axis=0)
+
+
+@gluon.jit
+def _exclusive_prefix(x):
+    """Exclusive prefix sums of int32 x [threads, RUN] in row-major order (thread t's entries follow
+    thread t - 1's): a scan within each thread plus one scan over the threads' totals."""
+    per_thread = gl.sum(x, axis=1)
+    # one count per thread either way; scans take blocked layouts, not slices (no data moves)
+    one_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    counts = gl.convert_layout(per_thread, one_per_thread)
+    before = gl.convert_layout(
+        gl.associative_scan(counts, 0, _add) - counts, per_thread.type.layout
+    )
+    return gl.expand_dims(before, 1) + gl.associative_scan(x, 1, _add) - x
+
+
+@gluon.jit
+def _kth_key_from(keys, k, prefix, shift):
+    """The k-th largest of the uint32 keys [threads, RUN], or a prefix reached by exactly k of them
+    (the walk stops there), the bits above `shift` already known to be `prefix`'s."""
+    searching = shift >= 0
+    while searching:
+        candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
+        reaching = _total((keys >= candidate).to(gl.int32))
+        prefix = gl.where(reaching >= k, candidate, prefix)
+        shift -= 1
+        searching = (shift >= 0) & (reaching != k)
+    return prefix
+
+
+@gluon.jit
+def _walk_start(low, high):
+    """(prefix, shift) for a walk whose answer lies in [low, high] (low < high): every key in that
+    range shares their common top bits, so the walk starts below them."""
+    diff = low ^ high
+    shift = gl.full([], 31, gl.int32)
+    while ((diff >> shift.to(gl.uint32)) & 1) == 0:
+        shift -= 1
+    below = (gl.full([], 2, gl.uint32) << shift.to(gl.uint32)) - 1  # 2 << 31 wraps to 0: all ones
+    return high & ~below, shift
+
+
+@gluon.jit
+def _chunk_keys(row, positions, n):
+    """Keys of the row's entries at positions [threads, RUN]; positions at or past n get key 0."""
+    in_row = positions < n
+    scores = gl.load(row + positions, mask=in_row, other=0.0).to(gl.float32)
+    return gl.where(in_row, _keys_of(scores), 0)
+
+
+@gluon.jit
+def _count_reaching(row, offsets, n, candidate, CHUNK: gl.constexpr):
+    """How many keys of the row reach `candidate` (>= 1)."""
+    count = gl.zeros([], gl.int32)
+    for start in range(0, n, CHUNK):
+        keys = _chunk_keys(row, start + offsets, n)
+        count += _total((keys >= candidate).to(gl.int32))
+    return count
+
+
+@gluon.jit
+def _store_kept_streamed(row, out, offsets, n, k, threshold, above_total, CHUNK: gl.constexpr):
+    """Re-read the row and store, ascending, the positions of its keys above `threshold` and of the
+    first `k - above_total` keys equal to it."""
+    still_needed = k - above_total
+    tied_seen = gl.zeros([], gl.int32)
+    kept_seen = gl.zeros([], gl.int32)
+    for start in range(0, n, CHUNK):
+        positions = start + offsets
+        keys = _chunk_keys(row, positions, n)
+        tied = ((keys == threshold) & (positions < n)).to(gl.int32)
+        tied_before = tied_seen + _exclusive_prefix(tied)
+        kept = ((keys > threshold) | ((tied != 0) & (tied_before < still_needed))).to(gl.int32)
+        slot = kept_seen + _exclusive_prefix(kept)
+        gl.store(out + slot, positions.to(gl.int64), mask=kept != 0)
+        tied_seen += _total(tied)
+        kept_seen += _total(kept)
+
+
+@gluon.jit
+def _stable_topk_prefilter_kernel(
+    scores_ptr,
+    out_ptr,
+    slots_ptr,
+    n,
+    k,
+    stride_row,
+    stride_out,
+    MAXIMA: gl.constexpr,
+    RUN: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1, RUN], [32, 1], [WARPS, 1], [1, 0])
+    threads = gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, layout))
+    run = gl.arange(0, RUN, layout=gl.SliceLayout(0, layout))
+    offsets = gl.expand_dims(threads * RUN, 1) + gl.expand_dims(run, 0)  # [threads, RUN]
+    row_id = gl.program_id(0).to(gl.int64)
+    row = scores_ptr + row_id * stride_row
+    out = out_ptr + row_id * stride_out
+    slots = slots_ptr + row_id * (2 * stride_out)
+
+    # Group g = positions g, g + MAXIMA, ...: thread t keeps the maxima of groups t * RUN ...
+    maxima = gl.full([32 * WARPS, RUN], float("-inf"), gl.float32, layout)
+    for start in range(0, n, MAXIMA):
+        positions = start + offsets
+        scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
+        maxima = gl.maximum(maxima, scores.to(gl.float32))
+    maxima_keys = _keys_of(maxima)
+    bound = _kth_key_from(maxima_keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32))
+    top = gl.max(gl.max(maxima_keys, axis=1), axis=0)  # the row's largest key
+
+    # The positions of the keys above `bound` (at least k reach it), in position order, into the
+    # output row's memory read as 2k int32 slots; the count goes on past them.
+    bound_score = _score_of(bound)
+    above_bound = gl.zeros([], gl.int32)
+    for start in range(0, n, MAXIMA):
+        positions = start + offsets
+        scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
+        above = (scores.to(gl.float32) > bound_score).to(gl.int32)
+        slot = above_bound + _exclusive_prefix(above)
+        gl.store(slots + slot, positions, mask=(above != 0) & (slot < 2 * k))
+        above_bound += _total(above)
+    cta_barrier()  # the compacted positions are visible to every thread
+
+    if (above_bound >= k) & (above_bound <= 2 * k):
+        present = offsets < above_bound  # slot order is position order
+        positions = gl.load(slots + offsets, mask=present, other=0)
+        scores = gl.load(row + positions, mask=present, other=0.0).to(gl.float32)
+        keys = gl.where(present, _keys_of(scores), 0)
+        # every survivor is above `bound`: the answer lies in [bound + 1, top]
+        if bound + 1 == top:
+            threshold = top
+        else:
+            prefix, shift = _walk_start(bound + 1, top)
+            threshold = _kth_key_from(keys, k, prefix, shift)
+        cta_barrier()  # every slot is read before the output overwrites it
+        above = (keys > threshold).to(gl.int32)
+        tied = (keys == threshold).to(gl.int32)
+        tied_before = _exclusive_prefix(tied)
+        kept = ((above != 0) | ((tied != 0) & (tied_before < k - _total(above)))).to(gl.int32)
+        slot = _exclusive_prefix(kept)
+        gl.store(out + slot, positions.to(gl.int64), mask=kept != 0)
+    elif above_bound < k:
+        # at least k keys reach `bound` (k maxima do) and fewer pass it: it is the k-th largest key
+        _store_kept_streamed(row, out, offsets, n, k, bound, above_bound, MAXIMA)
+    else:
+        # heavy ties above the bound: the walk re-reads the row for each step, from the common top
+        # bits of the smallest key above the bound and the largest
+        if bound + 1 == top:
+            threshold = top
+        else:
+            prefix, shift = _walk_start(bound + 1, top)
+            searching = shift >= 0
+            while searching:
+                candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
+                reaching = _count_reaching(row, offsets, n, candidate, MAXIMA)
+                prefix = gl.where(reaching >= k, candidate, prefix)
+                shift -= 1
+                searching = (shift >= 0) & (reaching != k)
+            threshold = prefix
+        above_threshold = _count_reaching(row, offsets, n, threshold + 1, MAXIMA)
+        _store_kept_streamed(row, out, offsets, n, k, threshold, above_threshold, MAXIMA)
+
+
+def applies(n: int, k: int) -> bool:
+    """Rows this kernel takes: at least four entries per group maximum and k at most half of them
+    (the survivors' capacity), at most 32768 entries (`TRITON_MAX_ROW`)."""
+    return 4 * MAXIMA <= n <= 32768 and k >= 1 and 2 * k <= MAXIMA
+
+
+def stable_topk_rows(scores, k: int):
+    """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
+
+    scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. Returns int64
+    [rows, k], ascending positions per row."""
+    import torch
+
+    rows, n = scores.shape
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    if rows == 0:
+        return out
+    _stable_topk_prefilter_kernel[(rows,)](
+        scores,
+        out,
+        out.view(torch.int32),
+        n,
+        k,
+        scores.stride(0),
+        out.stride(0),
+        MAXIMA=MAXIMA,
+        RUN=RUN,
+        WARPS=WARPS,
+        num_warps=WARPS,
+    )
+    return out
+
+
+__all__ = ["MAXIMA", "applies", "stable_topk_rows"]
