@@ -28,6 +28,8 @@ from sa_kernels.gluon_compat import cta_barrier
 MAXIMA = 1024
 """Strided groups whose maxima give the bound; also the survivors' capacity (at least 2k)."""
 WARPS = 4
+PROGRAMS_PER_SM = None
+"""Programs per SM of the grid-stride launch (None: one program per row)."""
 RUN = MAXIMA // (32 * WARPS)
 """Adjacent entries per thread in a chunk of MAXIMA entries (8: two 16-byte loads of FP32)."""
 
@@ -136,48 +138,45 @@ def _store_kept_streamed(row, out, offsets, n, k, threshold, above_total, CHUNK:
 
 
 @gluon.jit
-def _stable_topk_prefilter_kernel(
-    scores_ptr,
-    out_ptr,
-    slots_ptr,
-    n,
-    k,
-    stride_row,
-    stride_out,
-    MAXIMA: gl.constexpr,
-    RUN: gl.constexpr,
-    WARPS: gl.constexpr,
-):
-    layout: gl.constexpr = gl.BlockedLayout([1, RUN], [32, 1], [WARPS, 1], [1, 0])
-    threads = gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, layout))
-    run = gl.arange(0, RUN, layout=gl.SliceLayout(0, layout))
-    offsets = gl.expand_dims(threads * RUN, 1) + gl.expand_dims(run, 0)  # [threads, RUN]
-    row_id = gl.program_id(0).to(gl.int64)
-    row = scores_ptr + row_id * stride_row
-    out = out_ptr + row_id * stride_out
-    slots = slots_ptr + row_id * (2 * stride_out)
+def _compact_above(row, slots, positions, scores, bound_score, above_bound, k):
+    """Store the positions of the chunk's scores above `bound_score` into the slots after the
+    `above_bound` already there (those past 2k are dropped); the new count."""
+    above = (scores.to(gl.float32) > bound_score).to(gl.int32)
+    slot = above_bound + _exclusive_prefix(above)
+    gl.store(slots + slot, positions, mask=(above != 0) & (slot < 2 * k))
+    return above_bound + _total(above)
 
+
+@gluon.jit
+def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
+    """`stable_topk` of one row (see the module docstring). Chunks of MAXIMA entries; the full ones
+    are read without bounds checks, the last partial one with them."""
+    full = n - n % MAXIMA
     # Group g = positions g, g + MAXIMA, ...: thread t keeps the maxima of groups t * RUN ...
-    maxima = gl.full([32 * WARPS, RUN], float("-inf"), gl.float32, layout)
-    for start in range(0, n, MAXIMA):
-        positions = start + offsets
-        scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
-        maxima = gl.maximum(maxima, scores.to(gl.float32))
+    maxima = gl.full(offsets.shape, float("-inf"), gl.float32, offsets.type.layout)
+    for start in range(0, full, MAXIMA):
+        maxima = gl.maximum(maxima, gl.load(row + start + offsets).to(gl.float32))
+    if full < n:
+        positions = full + offsets
+        tail = gl.load(row + positions, mask=positions < n, other=float("-inf"))
+        maxima = gl.maximum(maxima, tail.to(gl.float32))
     maxima_keys = _keys_of(maxima)
     bound = _kth_key_from(maxima_keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32))
     top = gl.max(gl.max(maxima_keys, axis=1), axis=0)  # the row's largest key
 
     # The positions of the keys above `bound` (at least k reach it), in position order, into the
-    # output row's memory read as 2k int32 slots; the count goes on past them.
+    # output row's memory read as 2k int32 slots; the count goes on past them. `key > bound` is
+    # `score > bound_score` (no NaN, zeros folded).
     bound_score = _score_of(bound)
     above_bound = gl.zeros([], gl.int32)
-    for start in range(0, n, MAXIMA):
+    for start in range(0, full, MAXIMA):
         positions = start + offsets
+        scores = gl.load(row + positions)
+        above_bound = _compact_above(row, slots, positions, scores, bound_score, above_bound, k)
+    if full < n:
+        positions = full + offsets
         scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
-        above = (scores.to(gl.float32) > bound_score).to(gl.int32)
-        slot = above_bound + _exclusive_prefix(above)
-        gl.store(slots + slot, positions, mask=(above != 0) & (slot < 2 * k))
-        above_bound += _total(above)
+        above_bound = _compact_above(row, slots, positions, scores, bound_score, above_bound, k)
     cta_barrier()  # the compacted positions are visible to every thread
 
     if (above_bound >= k) & (above_bound <= 2 * k):
@@ -218,6 +217,39 @@ def _stable_topk_prefilter_kernel(
             threshold = prefix
         above_threshold = _count_reaching(row, offsets, n, threshold + 1, MAXIMA)
         _store_kept_streamed(row, out, offsets, n, k, threshold, above_threshold, MAXIMA)
+    cta_barrier()  # a persistent program's next row reuses nothing, but its slots follow stores
+
+
+@gluon.jit
+def _stable_topk_prefilter_kernel(
+    scores_ptr,
+    out_ptr,
+    slots_ptr,
+    n_rows,
+    n,
+    k,
+    stride_row,
+    stride_out,
+    MAXIMA: gl.constexpr,
+    RUN: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1, RUN], [32, 1], [WARPS, 1], [1, 0])
+    threads = gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, layout))
+    run = gl.arange(0, RUN, layout=gl.SliceLayout(0, layout))
+    offsets = gl.expand_dims(threads * RUN, 1) + gl.expand_dims(run, 0)  # [threads, RUN]
+    # rows in a grid-stride loop: the launch bounds the rows in flight (and so the L2 they need)
+    for row_id in range(gl.program_id(0), n_rows, gl.num_programs(0)):
+        row64 = row_id.to(gl.int64)
+        _prefilter_row(
+            scores_ptr + row64 * stride_row,
+            out_ptr + row64 * stride_out,
+            slots_ptr + row64 * (2 * stride_out),
+            offsets,
+            n,
+            k,
+            MAXIMA,
+        )
 
 
 def applies(n: int, k: int) -> bool:
@@ -226,21 +258,24 @@ def applies(n: int, k: int) -> bool:
     return 4 * MAXIMA <= n <= 32768 and k >= 1 and 2 * k <= MAXIMA
 
 
-def stable_topk_rows(scores, k: int):
+def stable_topk_rows(scores, k: int, programs_per_sm: int | None = PROGRAMS_PER_SM):
     """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
 
     scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. Returns int64
-    [rows, k], ascending positions per row."""
+    [rows, k], ascending positions per row. `programs_per_sm`: programs per SM, each looping over
+    rows (None: one program per row)."""
     import torch
 
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0:
         return out
-    _stable_topk_prefilter_kernel[(rows,)](
+    programs = rows if programs_per_sm is None else min(rows, _sm_count(scores) * programs_per_sm)
+    _stable_topk_prefilter_kernel[(programs,)](
         scores,
         out,
         out.view(torch.int32),
+        rows,
         n,
         k,
         scores.stride(0),
@@ -251,6 +286,12 @@ def stable_topk_rows(scores, k: int):
         num_warps=WARPS,
     )
     return out
+
+
+def _sm_count(scores) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(scores.device).multi_processor_count
 
 
 __all__ = ["MAXIMA", "applies", "stable_topk_rows"]
