@@ -291,9 +291,11 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    ("n", "k"), [(16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)]
+    ("n", "k"),
+    [(16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)]
+    + [(3000, 512), (1024, 1), (2048, 2048), (4095, 700)],  # held whole
 )
-def test_cuda_gluon_prefilter_equals_the_stable_sort_on_every_path(n, k, dtype):
+def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
     from sa_kernels.stable_topk import gluon_kernels, gluon_prefilter_applies
 
     for name, scores in _row_kinds(64, n, k, "cuda").items():
@@ -309,6 +311,6 @@ def test_cuda_gluon_prefilter_leaves_other_rows_to_triton():
     from sa_kernels.stable_topk import gluon_prefilter_applies
 
     scores = torch.randn(4, 8192, device="cuda")
-    assert not gluon_prefilter_applies(scores[:, :4095], 5)  # too short for the prefilter
+    assert not gluon_prefilter_applies(scores[:, :1023], 5)  # short rows: Triton's whole-row walk
     assert not gluon_prefilter_applies(scores, 513)  # 2k above the 1024 survivors' slots
     assert not gluon_prefilter_applies(scores.cpu(), 5)

@@ -57,8 +57,9 @@ def stable_topk(
       per row (by default), radix select of the k-th best score then a prefix sum (`triton_kernels`;
       rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
       strided group maxima); reads the scores one to three times, no workspace beyond the output.
-      On SM90 GPUs the narrowed rows (4096 to 32768 entries, `k <= 512`) run the same algorithm
-      written in Gluon (`gluon_kernels`, `gluon_prefilter_applies`).
+      On SM90 GPUs rows of 1024 to 32768 entries run the same algorithm written in Gluon
+      (`gluon_kernels`, `gluon_prefilter_applies`; narrowed from 4096 entries on, where
+      `k <= 512`).
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so
@@ -123,7 +124,8 @@ def stable_topk(
 def gluon_prefilter_applies(rows: torch.Tensor, k: int) -> bool:
     """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
     scores: an SM90 GPU (where it was measured), a Triton with Gluon, not the interpreter, and rows
-    the Gluon kernel takes (`gluon_kernels.applies`: 4096 to 32768 entries, `2k <= 1024`)."""
+    the Gluon kernels take (`gluon_kernels.applies`: 1024 to 4095 entries held whole, 4096 to 32768
+    narrowed with `2k <= 1024`)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
     if _capability(rows.device.index)[0] != 9:

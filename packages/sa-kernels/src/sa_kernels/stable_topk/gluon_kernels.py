@@ -20,6 +20,7 @@ Gluon has no interpreter: this kernel runs on SM90 GPUs only (`gpu` tests agains
 Triton kernel); elsewhere the Triton kernel runs.
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -221,6 +222,38 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
 
 
 @gluon.jit
+def _whole_row(row, out, offsets, n, k):
+    """`stable_topk` of a row held whole (offsets [threads, RUN] cover it): the walk over every key,
+    then the kept positions, ascending."""
+    keys = _chunk_keys(row, offsets, n)
+    threshold = _kth_key_from(keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32))
+    above = (keys > threshold).to(gl.int32)
+    tied = ((keys == threshold) & (offsets < n)).to(gl.int32)
+    tied_before = _exclusive_prefix(tied)
+    kept = ((above != 0) | ((tied != 0) & (tied_before < k - _total(above)))).to(gl.int32)
+    gl.store(out + _exclusive_prefix(kept), offsets.to(gl.int64), mask=kept != 0)
+
+
+@gluon.jit
+def _stable_topk_whole_row_kernel(
+    scores_ptr,
+    out_ptr,
+    n,
+    k,
+    stride_row,
+    stride_out,
+    RUN: gl.constexpr,
+    WARPS: gl.constexpr,
+):
+    layout: gl.constexpr = gl.BlockedLayout([1, RUN], [32, 1], [WARPS, 1], [1, 0])
+    threads = gl.arange(0, 32 * WARPS, layout=gl.SliceLayout(1, layout))
+    run = gl.arange(0, RUN, layout=gl.SliceLayout(0, layout))
+    offsets = gl.expand_dims(threads * RUN, 1) + gl.expand_dims(run, 0)
+    row64 = gl.program_id(0).to(gl.int64)
+    _whole_row(scores_ptr + row64 * stride_row, out_ptr + row64 * stride_out, offsets, n, k)
+
+
+@gluon.jit
 def _stable_topk_prefilter_kernel(
     scores_ptr,
     out_ptr,
@@ -252,13 +285,28 @@ def _stable_topk_prefilter_kernel(
         )
 
 
+WHOLE_ROW_WARPS = 4
+WHOLE_ROW_MIN = 1024
+"""Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""
+
+
 def applies(n: int, k: int) -> bool:
-    """Rows this kernel takes: at least four entries per group maximum and k at most half of them
-    (the survivors' capacity), at most 32768 entries (`TRITON_MAX_ROW`)."""
-    return 4 * MAXIMA <= n <= 32768 and k >= 1 and 2 * k <= MAXIMA
+    """Rows these kernels take: the prefilter's (at least four entries per group maximum, k at most
+    half of them: the survivors' capacity, at most 32768 entries: `TRITON_MAX_ROW`), or held whole
+    (`WHOLE_ROW_MIN` to `4 * MAXIMA` entries, any k)."""
+    if k < 1 or k > n:
+        return False
+    if n < 4 * MAXIMA:
+        return n >= WHOLE_ROW_MIN
+    return n <= 32768 and 2 * k <= MAXIMA
 
 
-def stable_topk_rows(scores, k: int, programs_per_sm: int | None = PROGRAMS_PER_SM):
+def stable_topk_rows(
+    scores,
+    k: int,
+    programs_per_sm: int | None = PROGRAMS_PER_SM,
+    whole_row_warps: int = WHOLE_ROW_WARPS,
+):
     """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
 
     scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. Returns int64
@@ -269,6 +317,21 @@ def stable_topk_rows(scores, k: int, programs_per_sm: int | None = PROGRAMS_PER_
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0:
+        return out
+    if n < 4 * MAXIMA:  # held whole: RUN adjacent entries per thread cover the row
+        warps = whole_row_warps
+        block = max(32 * warps, triton.next_power_of_2(n))
+        _stable_topk_whole_row_kernel[(rows,)](
+            scores,
+            out,
+            n,
+            k,
+            scores.stride(0),
+            out.stride(0),
+            RUN=block // (32 * warps),
+            WARPS=warps,
+            num_warps=warps,
+        )
         return out
     programs = rows if programs_per_sm is None else min(rows, _sm_count(scores) * programs_per_sm)
     _stable_topk_prefilter_kernel[(programs,)](
