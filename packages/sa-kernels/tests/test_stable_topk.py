@@ -292,8 +292,10 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     ("n", "k"),
-    [(16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)]
-    + [(3000, 512), (1024, 1), (2048, 2048), (4095, 700)],  # held whole
+    [
+        *((16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)),
+        *((3000, 512), (1024, 1), (2048, 2048), (4095, 700)),  # held whole
+    ],
 )
 def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
     from sa_kernels.stable_topk import gluon_kernels, gluon_prefilter_applies
