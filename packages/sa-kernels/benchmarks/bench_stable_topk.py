@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench
 
 from sa_kernels import stable_topk
-from sa_kernels.stable_topk import gluon_prefilter_applies
+from sa_kernels.stable_topk import gluon_kernel_applies
 from sa_kernels.stable_topk.triton_kernels import (
     LaunchConfig,
     _prefilter_maxima,
@@ -68,7 +68,7 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
         "torch_path_ms": torch_ms,
         "torch_topk_ms": topk_ms,
         "copy_ms": copy_ms,
-        "gluon_runs": gluon_prefilter_applies(scores, k),
+        "gluon_runs": gluon_kernel_applies(scores, k),
         "triton_kernel_ms": triton_kernel_ms,
         "speedup_vs_torch_path": torch_ms / triton_ms,
         "gbps": rows * n * 4 / triton_ms / 1e6,

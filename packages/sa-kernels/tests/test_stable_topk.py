@@ -298,21 +298,39 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     ],
 )
 def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
-    from sa_kernels.stable_topk import gluon_kernels, gluon_prefilter_applies
+    from sa_kernels.stable_topk import gluon_kernel_applies, gluon_kernels
 
     for name, scores in _row_kinds(64, n, k, "cuda").items():
         scores = scores.to(dtype)
-        assert gluon_prefilter_applies(scores, k) == (torch.cuda.get_device_capability()[0] == 9)
+        assert gluon_kernel_applies(scores, k) == (torch.cuda.get_device_capability()[0] == 9)
         expected = reference.stable_topk(scores, k)
         assert torch.equal(gluon_kernels.stable_topk_rows(scores, k), expected), name
         assert torch.equal(stable_topk(scores, k), expected), name
 
 
 @pytest.mark.gpu
-def test_cuda_gluon_prefilter_leaves_other_rows_to_triton():
-    from sa_kernels.stable_topk import gluon_prefilter_applies
+def test_cuda_gluon_kernels_leave_other_rows_to_triton():
+    from sa_kernels.stable_topk import gluon_kernel_applies
 
     scores = torch.randn(4, 8192, device="cuda")
-    assert not gluon_prefilter_applies(scores[:, :1023], 5)  # short rows: Triton's whole-row walk
-    assert not gluon_prefilter_applies(scores, 513)  # 2k above the 1024 survivors' slots
-    assert not gluon_prefilter_applies(scores.cpu(), 5)
+    assert not gluon_kernel_applies(scores[:, :1023], 5)  # short rows: Triton's whole-row walk
+    assert not gluon_kernel_applies(scores, 513)  # 2k above the 1024 survivors' slots
+    assert not gluon_kernel_applies(scores.cpu(), 5)
+
+
+def test_the_gluon_kernels_take_the_rows_they_were_written_for():
+    gluon_kernels = pytest.importorskip("sa_kernels.stable_topk.gluon_kernels")
+    from sa_kernels.stable_topk import gluon_kernel_applies
+
+    takes = {
+        (1023, 5): False,  # short: the Triton kernel's whole-row walk
+        (1024, 5): True,  # held whole
+        (4095, 700): True,  # held whole, any k
+        (2000, 2001): False,  # k above n
+        (4096, 512): True,  # narrowed: 2k fits the 1024 slots
+        (4096, 513): False,
+        (32768, 512): True,
+        (32769, 1): False,  # above TRITON_MAX_ROW
+    }
+    assert {shape: gluon_kernels.applies(*shape) for shape in takes} == takes
+    assert not gluon_kernel_applies(torch.randn(2, 5000), 5)  # CPU rows: never

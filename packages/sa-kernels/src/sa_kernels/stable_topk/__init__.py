@@ -8,7 +8,7 @@ from sa_kernels.backend import has_triton, resolve_backend, triton_interpret
 
 __all__ = [
     "TRITON_MAX_ROW",
-    "gluon_prefilter_applies",
+    "gluon_kernel_applies",
     "stable_topk",
     "stable_topk_workspace_bytes",
 ]
@@ -58,7 +58,7 @@ def stable_topk(
       rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
       strided group maxima); reads the scores one to three times, no workspace beyond the output.
       On SM90 GPUs rows of 1024 to 32768 entries run the same algorithm written in Gluon
-      (`gluon_kernels`, `gluon_prefilter_applies`; narrowed from 4096 entries on, where
+      (`gluon_kernels`, `gluon_kernel_applies`; narrowed from 4096 entries on, where
       `k <= 512`).
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
@@ -113,7 +113,7 @@ def stable_topk(
             rows = last.reshape(-1, n)
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            if gluon_prefilter_applies(rows, k):
+            if gluon_kernel_applies(rows, k):
                 from .gluon_kernels import stable_topk_rows
             else:
                 from .triton_kernels import stable_topk_rows
@@ -121,7 +121,7 @@ def stable_topk(
         return _threshold_topk(last, k).movedim(-1, dim)
 
 
-def gluon_prefilter_applies(rows: torch.Tensor, k: int) -> bool:
+def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
     scores: an SM90 GPU (where it was measured), a Triton with Gluon, not the interpreter, and rows
     the Gluon kernels take (`gluon_kernels.applies`: 1024 to 4095 entries held whole, 4096 to 32768
