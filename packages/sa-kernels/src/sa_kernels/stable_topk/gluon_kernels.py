@@ -20,6 +20,7 @@ Gluon has no interpreter: this kernel runs on SM90 GPUs only (`gpu` tests agains
 Triton kernel); elsewhere the Triton kernel runs.
 """
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -302,18 +303,18 @@ def applies(n: int, k: int) -> bool:
 
 
 def stable_topk_rows(
-    scores,
+    scores: torch.Tensor,
     k: int,
     programs_per_sm: int | None = PROGRAMS_PER_SM,
     whole_row_warps: int = WHOLE_ROW_WARPS,
+    prefilter_warps: int = WARPS,
 ):
     """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
 
     scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. Returns int64
     [rows, k], ascending positions per row. `programs_per_sm`: programs per SM, each looping over
-    rows (None: one program per row)."""
-    import torch
-
+    rows (None: one program per row); `whole_row_warps`, `prefilter_warps`: warps per row of the
+    two kernels (the sweep's knobs; the results do not change)."""
     rows, n = scores.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0:
@@ -344,16 +345,14 @@ def stable_topk_rows(
         scores.stride(0),
         out.stride(0),
         MAXIMA=MAXIMA,
-        RUN=RUN,
-        WARPS=WARPS,
-        num_warps=WARPS,
+        RUN=MAXIMA // (32 * prefilter_warps),
+        WARPS=prefilter_warps,
+        num_warps=prefilter_warps,
     )
     return out
 
 
-def _sm_count(scores) -> int:
-    import torch
-
+def _sm_count(scores: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(scores.device).multi_processor_count
 
 
