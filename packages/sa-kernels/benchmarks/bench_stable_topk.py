@@ -4,7 +4,9 @@ Rows are FP32 score rows of the routing shapes: QSA chunks (32768 blocks per row
 at 32k, keep 512) and Step-5 tiles (16384 regions at 128k, keep 512), plus shorter rows. Baselines in the same run: the
 PyTorch path of `stable_topk` (`backend="reference"`), a plain `torch.topk` (values only, not
 deterministic on ties), a row copy (bandwidth floor: the kernel reads each score once) and, where
-the public call runs the Gluon prefilter (SM90), the Triton kernel itself.
+the public call runs a Gluon kernel (SM90, `gluon_kernel_applies`), the Triton kernel itself. The
+"triton" column is the public call with backend="triton" (Gluon where it applies); with `--sweep`,
+rows the Gluon kernels take are also timed at their launch options (warps per row, programs per SM).
 `--sweep` also times, per shape, warp counts × prefilter widths × prefilter chunks (`LaunchConfig`) and
 software-pipelined prefilter loads around the default, checks each against the PyTorch path, and
 prints the best.
@@ -56,7 +58,7 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
     torch_ms = do_bench(lambda: stable_topk(scores, k, backend="reference"), rep=100)
     topk_ms = do_bench(lambda: torch.topk(scores, k, dim=-1, sorted=False), rep=100)
     copy_ms = do_bench(scores.clone, rep=100)
-    # the Triton kernel itself, where `stable_topk` runs the Gluon one (SM90, narrowed rows)
+    # the Triton kernel itself, where `stable_topk` runs a Gluon one (SM90)
     triton_kernel = stable_topk_rows(scores, k)
     assert torch.equal(triton_kernel, got), (rows, n, k)
     triton_kernel_ms = do_bench(lambda: stable_topk_rows(scores, k), rep=100)
@@ -110,6 +112,20 @@ def bench_shape(rows: int, n: int, k: int, sweep: bool) -> dict:
             timings[_label(config, block, k)] = do_bench(
                 lambda c=config: stable_topk_rows(scores, k, _config=c), rep=50
             )
+        if gluon_kernel_applies(scores, k):
+            from sa_kernels.stable_topk import gluon_kernels
+
+            for name, options in (
+                ("gluon-prefilter-warps8", {"prefilter_warps": 8}),
+                ("gluon-programs-per-sm4", {"programs_per_sm": 4}),
+                ("gluon-programs-per-sm8", {"programs_per_sm": 8}),
+                ("gluon-whole-row-warps8", {"whole_row_warps": 8}),
+            ):
+                got = gluon_kernels.stable_topk_rows(scores, k, **options)
+                assert torch.equal(got, expected), name
+                timings[name] = do_bench(
+                    lambda o=options: gluon_kernels.stable_topk_rows(scores, k, **o), rep=50
+                )
         row.update(
             sweep_ms=timings,
             default=_label(default_config(block, k), block, k),

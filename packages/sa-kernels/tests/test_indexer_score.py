@@ -283,7 +283,7 @@ def test_heads_are_summed_in_pairs_in_every_kernel(cfg, heads):
     triton_kernels.indexer_score_tile(query, weights, summary, 0, 9, out, _config=cfg)
     padded = terms + [0.0] * (triton.next_power_of_2(heads) - heads)
     want = _pairwise(padded)
-    assert want != sum(padded[:1]) or heads < 4  # the order shows
+    assert want != 1.0  # the order shows: one term after another would round back to 1
     assert bool((out == want).all()), (out.unique(), want)
 
 

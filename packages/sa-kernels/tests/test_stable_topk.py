@@ -271,8 +271,12 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     few[:, 7 : 7 + k // 2] = random[:, : k // 2]
     clustered = random - 10.0
     clustered[:, n // 3 : n // 3 + 3 * k] += 12.0
-    heavy = torch.randint(0, 3, (rows, n), generator=generator).float()
-    heavy[:, :: max(1, n // (3 * k))] = 5.0  # about 3k entries tie above the bound
+    # k - 1 of the 1024 strided groups hold three 5.0s each and every other group's maximum is
+    # 1.0: the bound is 1.0 and 3k - 3 > 2k keys (k > 3) tie above it
+    heavy = torch.rand(rows, n, generator=generator) - 1.0
+    heavy[:, 3000 : 3000 + 1024] = 1.0 if n >= 4024 else heavy[:, 3000 : 3000 + 1024]
+    for copy in range(3):
+        heavy[:, copy * 1024 : copy * 1024 + k - 1] = 5.0
     signed = random.clone()
     signed[:, ::3] = -0.0
     signed[:, 1::3] = 0.0
@@ -306,6 +310,26 @@ def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
         expected = reference.stable_topk(scores, k)
         assert torch.equal(gluon_kernels.stable_topk_rows(scores, k), expected), name
         assert torch.equal(stable_topk(scores, k), expected), name
+
+
+@pytest.mark.gpu
+def test_cuda_gluon_launch_options_and_strided_rows_give_the_same_positions():
+    from sa_kernels.stable_topk import gluon_kernels
+
+    for n, k in ((16383, 512), (3000, 100)):
+        wide = torch.randn(96, n + 5, device="cuda")
+        scores = wide[:, :n]  # rows 5 entries apart from where a contiguous row would end
+        expected = reference.stable_topk(scores, k)
+        for options in (
+            {},
+            {"programs_per_sm": 2},
+            {"prefilter_warps": 8},
+            {"whole_row_warps": 8},
+        ):
+            assert torch.equal(gluon_kernels.stable_topk_rows(scores, k, **options), expected), (
+                n,
+                options,
+            )
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 from sa_routing import Step5SparseConfig, Step5SparseIndexer, region_metadata
-from sa_routing.step5.selection import _merge_tiles, score_bytes_per_entry
+from sa_routing.step5.selection import _merge_tiles, score_call_bytes
 
 PEAK_TFLOPS = 300.0
 DEVICE = "cuda"
@@ -166,10 +166,8 @@ def bench_indexer(rows: list[dict], total: int, options: list[dict], profile: bo
     for opt in options:
         indexer.selection_options = dict(opt)
         groups = cfg.num_provider_groups
-        per_entry = score_bytes_per_entry(opt["method"], DEVICE, opt["region_chunk"])
-        merged = _merge_tiles(
-            meta.score_tiles, groups, opt["region_chunk"], opt["score_budget_bytes"], per_entry
-        )
+        call_bytes = score_call_bytes(opt["method"], DEVICE, opt["region_chunk"], cfg.topk)
+        merged = _merge_tiles(meta.score_tiles, groups, opt["score_budget_bytes"], call_bytes)
         rect_flops = per_pair * float(sum((q1 - q0) * (r1 - r0) for _, q0, q1, r0, r1 in merged))
 
         def forward() -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from sa_routing import region_metadata, select_regions
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
-from sa_routing.step5.selection import _merge_tiles, score_bytes_per_entry
+from sa_routing.step5.selection import _merge_tiles, score_call_bytes
 from sa_routing.step5.testing import document_positions
 
 BACKENDS = ["reference", "triton"]
@@ -206,21 +206,25 @@ def test_tiles_spanning_documents_never_select_an_earlier_documents_regions() ->
     assert torch.equal(out, oracle)
     rows_b = m.sparse_queries[0] & (m.query_documents[0] == 1)
     assert rows_b.any() and (out[0][:, rows_b] >= regions_a).all()
-    merged = _merge_tiles(m.score_tiles, groups=2, region_chunk=16384, budget=2**30)
+    call_bytes = score_call_bytes("threshold", "cpu", 16384, topk)
+    merged = _merge_tiles(m.score_tiles, groups=2, budget=2**30, call_bytes=call_bytes)
     assert any(t[3] < regions_a <= t[4] and t[2] > 30 for t in merged), "a tile spans A and B"
 
 
 def test_the_score_budget_counts_the_bytes_each_method_allocates() -> None:
-    # threshold: the FP32 score, plus stable_topk's PyTorch workspace off the GPU kernels
-    assert score_bytes_per_entry("threshold", "cuda", 16384) == 4
-    assert score_bytes_per_entry("threshold", "cpu", 16384) == 16
-    assert score_bytes_per_entry("composite", "cuda", 16384) == 20
+    # threshold: FP32 scores, plus stable_topk's PyTorch workspace (12 bytes) off its GPU kernels,
+    # plus, over several chunks, the running candidates (score and int64 id over topk + chunk)
+    on_gpu = score_call_bytes("threshold", "cuda", 1000, 64)
+    assert on_gpu(10, 800) == 10 * 800 * 4
+    assert on_gpu(10, 3000) == 10 * 1000 * 4 + 10 * 1064 * 12
+    assert score_call_bytes("threshold", "cpu", 1000, 64)(10, 800) == 10 * 800 * 16
+    assert score_call_bytes("composite", "cuda", 1000, 64)(10, 3000) == 10 * 1000 * 20
     pos, pad = document_positions([3000], 3000)
     m = region_metadata(pos[None], pad[None], 0, 3000, 8, 4, tile_size=16)
-    wide = _merge_tiles(m.score_tiles, 4, 16384, 2**20, bytes_per_entry=4)
-    narrow = _merge_tiles(m.score_tiles, 4, 16384, 2**20, bytes_per_entry=20)
+    wide = _merge_tiles(m.score_tiles, 4, 2**20, score_call_bytes("threshold", "cuda", 16384, 4))
+    narrow = _merge_tiles(m.score_tiles, 4, 2**20, score_call_bytes("composite", "cuda", 16384, 4))
     assert len(wide) < len(narrow)
-    for tiles in (wide, narrow):  # the same rows, each within the budget
+    for tiles in (wide, narrow):  # the same rows, each call within the budget
         assert tiles[0][1] == m.score_tiles[0][1]
         assert sum(t[2] - t[1] for t in tiles) == sum(t[2] - t[1] for t in m.score_tiles)
     assert all((q1 - q0) * 4 * (r1 - r0) * 4 <= 2**20 for _, q0, q1, r0, r1 in wide if q1 - q0 > 16)
@@ -250,7 +254,8 @@ def test_merged_tiles_score_exactly_the_rows_of_the_metadata_tiles() -> None:
     # doc 1's first 10 rows are dense and hold no tile: merging must not bridge them
     pos, pad = document_positions([30, 12, 40], 82)
     m = region_metadata(pos[None], pad[None], 0, 82, region_size=2, topk=4, tile_size=8)
-    merged = _merge_tiles(m.score_tiles, groups=2, region_chunk=64, budget=2**30)
+    call_bytes = score_call_bytes("threshold", "cpu", 64, 4)
+    merged = _merge_tiles(m.score_tiles, groups=2, budget=2**30, call_bytes=call_bytes)
     assert len(merged) < len(m.score_tiles)
     rows = lambda tiles: sorted(q for t in tiles for q in range(t[1], t[2]))
     assert rows(merged) == rows(m.score_tiles)

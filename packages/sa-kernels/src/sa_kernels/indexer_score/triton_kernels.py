@@ -63,18 +63,9 @@ def _weighted_head_sum_store(
     Q_HI: tl.constexpr = BLOCK_Q // Q_LO
     weighted = tl.maximum(acc, 0.0) * w[:, None]
     x = tl.sum(tl.reshape(weighted, [Q_HI, H_LO, H_HI, Q_LO, BLOCK_R]), axis=1)
-    if H_HI >= 2:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 2, 2, Q_LO, BLOCK_R]), axis=2)
-    if H_HI >= 4:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 4, 2, Q_LO, BLOCK_R]), axis=2)
-    if H_HI >= 8:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 8, 2, Q_LO, BLOCK_R]), axis=2)
-    if H_HI >= 16:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 16, 2, Q_LO, BLOCK_R]), axis=2)
-    if H_HI >= 32:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 32, 2, Q_LO, BLOCK_R]), axis=2)
-    if H_HI >= 64:
-        x = tl.sum(tl.reshape(x, [Q_HI, H_HI // 64, 2, Q_LO, BLOCK_R]), axis=2)
+    for level in tl.static_range(1, 7):  # H_HI <= 64: HP is at most 128
+        if (H_HI >> level) >= 1:
+            x = tl.sum(tl.reshape(x, [Q_HI, H_HI >> level, 2, Q_LO, BLOCK_R]), axis=2)
     score = tl.reshape(x, [BLOCK_Q, BLOCK_R])
     oq = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     if HAS_BOUNDS:
@@ -122,10 +113,13 @@ def _query_rows(
     """A block's query-head rows: (row pointers, global query positions, head of each row, valid rows).
 
     Row m holds query `q_hi * Q_LO + q_lo` and head `h_hi * H_LO + h_lo` for
-    `m = ((q_hi * H_LO + h_lo) * H_HI + h_hi) * Q_LO + q_lo` (Q_LO = 4, H_LO = 2 where they fit):
-    in the Hopper MMA layout of 8 warps a thread's two rows m and m + 8 are then two heads of one
-    query (summed without a shuffle) and the next pair sits one lane away (one shuffle), where
-    query-major rows put all four heads in different lanes (offline sm_90a SASS, 2026-11-30)."""
+    `m = ((q_hi * H_LO + h_lo) * H_HI + h_hi) * Q_LO + q_lo` (Q_LO = 4, H_LO = 2 where they fit).
+    For the reference geometry's four heads, in the Hopper MMA layout of 8 warps (where a thread
+    holds rows m and m + 8, and row m + 4 sits 16 lanes away), a query's heads 0 and 1 (and 2 and 3)
+    are then one thread's two rows, summed without a shuffle, and the two sums one shuffle apart;
+    query-major rows put the four heads in four lanes, two shuffle rounds over twice the values
+    (offline sm_90a SASS, 2026-11-30: 338 instructions per tile against 513). Other head counts
+    get the same pairwise sums, not measured."""
     BLOCK_Q: tl.constexpr = BLOCK_M // HP
     Q_LO: tl.constexpr = BLOCK_Q if BLOCK_Q < 4 else 4
     H_LO: tl.constexpr = HP if HP < 2 else 2

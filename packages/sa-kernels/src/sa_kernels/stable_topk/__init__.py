@@ -57,9 +57,9 @@ def stable_topk(
       per row (by default), radix select of the k-th best score then a prefix sum (`triton_kernels`;
       rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
       strided group maxima); reads the scores one to three times, no workspace beyond the output.
-      On SM90 GPUs rows of 1024 to 32768 entries run the same algorithm written in Gluon
-      (`gluon_kernels`, `gluon_kernel_applies`; narrowed from 4096 entries on, where
-      `k <= 512`).
+      On SM90 GPUs the same algorithm written in Gluon runs rows of 1024 to 4095 entries (held
+      whole) and of 4096 to 32768 entries where `k <= 512` (narrowed): `gluon_kernels`,
+      `gluon_kernel_applies`.
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
       keys `2**30 - position` keeps the lowest positions (every winner of both calls is distinct, so

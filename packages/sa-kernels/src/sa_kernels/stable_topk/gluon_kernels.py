@@ -1,22 +1,27 @@
-"""`stable_topk`'s prefilter path in Gluon: the algorithm of `triton_kernels._prefiltered_rows`, with
-each thread owning a run of adjacent entries.
+"""`stable_topk` in Gluon: the algorithm of `triton_kernels`, with each thread owning a run of
+adjacent entries.
 
 Why: the Triton kernel is bound by its instructions (ncu on the H200: ALU 78 % busy), and most of
 them go to prefix sums whose layout Triton chooses: the compaction of the keys above the bound took
 about 52 thread instructions per entry, four separate warp scans per 1024-entry chunk among them.
 Here a chunk is `[threads, RUN]`, thread t holding the RUN entries `t * RUN ...`: a prefix sum is a
-sum within the thread plus one scan over the threads' counts, and loads are 16-byte vectors.
+sum within the thread plus one scan over the threads' counts.
 
-The path, per row (one program, 4 warps): the maxima of 1024 strided groups (position mod 1024: each
-thread keeps the maxima of its own RUN columns, so no thread talks to another); the k-th largest
-maximum `bound` (a bit-by-bit walk); the positions of the keys above `bound` compacted in position
-order into the output row's memory (2k int32 slots); then, as in the Triton kernel: between k and 2k
-of them (the usual case), the walk over those keys and the kept positions written ascending; fewer
-than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k (heavy
-ties above the bound), a walk that re-reads the row per step. Same keys and tie order as
-`triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same positions.
+Two kernels, one program per row:
+- rows of 4096 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
+  default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
+  mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); the
+  k-th largest maximum `bound` (a bit-by-bit walk); the positions of the keys above `bound`
+  compacted in position order into the output row's memory (2k int32 slots); then: between k and
+  2k of them (the usual case), the walk over those keys and the kept positions written ascending;
+  fewer than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k
+  (heavy ties above the bound), a walk that re-reads the row per step.
+- rows of 1024 to 4095 entries, any k (`_stable_topk_whole_row_kernel`): the row held whole, walked,
+  and the kept positions written from the registers.
+Same keys and tie order as `triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same
+positions.
 
-Gluon has no interpreter: this kernel runs on SM90 GPUs only (`gpu` tests against the oracle and the
+Gluon has no interpreter: these kernels run on SM90 GPUs only (`gpu` tests against the oracle and the
 Triton kernel); elsewhere the Triton kernel runs.
 """
 
@@ -26,6 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from sa_kernels.gluon_compat import cta_barrier
+from sa_kernels.stable_topk import TRITON_MAX_ROW
 
 MAXIMA = 1024
 """Strided groups whose maxima give the bound; also the survivors' capacity (at least 2k)."""
@@ -140,7 +146,7 @@ def _store_kept_streamed(row, out, offsets, n, k, threshold, above_total, CHUNK:
 
 
 @gluon.jit
-def _compact_above(row, slots, positions, scores, bound_score, above_bound, k):
+def _compact_above(slots, positions, scores, bound_score, above_bound, k):
     """Store the positions of the chunk's scores above `bound_score` into the slots after the
     `above_bound` already there (those past 2k are dropped); the new count."""
     above = (scores.to(gl.float32) > bound_score).to(gl.int32)
@@ -174,11 +180,11 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
     for start in range(0, full, MAXIMA):
         positions = start + offsets
         scores = gl.load(row + positions)
-        above_bound = _compact_above(row, slots, positions, scores, bound_score, above_bound, k)
+        above_bound = _compact_above(slots, positions, scores, bound_score, above_bound, k)
     if full < n:
         positions = full + offsets
         scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
-        above_bound = _compact_above(row, slots, positions, scores, bound_score, above_bound, k)
+        above_bound = _compact_above(slots, positions, scores, bound_score, above_bound, k)
     cta_barrier()  # the compacted positions are visible to every thread
 
     if (above_bound >= k) & (above_bound <= 2 * k):
@@ -219,7 +225,6 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
             threshold = prefix
         above_threshold = _count_reaching(row, offsets, n, threshold + 1, MAXIMA)
         _store_kept_streamed(row, out, offsets, n, k, threshold, above_threshold, MAXIMA)
-    cta_barrier()  # a persistent program's next row reuses nothing, but its slots follow stores
 
 
 @gluon.jit
@@ -299,7 +304,7 @@ def applies(n: int, k: int) -> bool:
         return False
     if n < 4 * MAXIMA:
         return n >= WHOLE_ROW_MIN
-    return n <= 32768 and 2 * k <= MAXIMA
+    return n <= TRITON_MAX_ROW and 2 * k <= MAXIMA
 
 
 def stable_topk_rows(

@@ -47,8 +47,9 @@ def select_regions(
         metadata: `region_metadata(...)` of this forward and shard.
         region_chunk: regions scored per call; with `score_budget_bytes` it bounds the temporaries.
         score_budget_bytes: adjacent tiles of one batch row are scored in one call while its
-            temporaries fit in this many bytes (`score_bytes_per_entry`: 4 per score with
-            "threshold" on the GPU, 20 with "composite"); fewer, larger calls cost less host time.
+            temporaries fit in this many bytes (`score_call_bytes`: 4 per score with "threshold"
+            on the GPU and one region chunk, 20 with "composite"); fewer, larger calls cost less
+            host time.
             The ids do not depend on it.
         method: how ties are made deterministic (both give the same ids): "threshold"
             (`sa_kernels.stable_topk` on the running candidates, whose ids ascend: a Triton radix
@@ -101,8 +102,8 @@ def select_regions_tiled(
         raise ValueError(f"select_regions: region_chunk must be an int >= 1; got {region_chunk!r}")
     mark = _mark if _mark is not None else _no_mark
     out = select_regions_dense(metadata, groups)
-    per_entry = score_bytes_per_entry(method, summary.device, region_chunk)
-    merged = _merge_tiles(metadata.score_tiles, groups, region_chunk, score_budget_bytes, per_entry)
+    call_bytes = score_call_bytes(method, summary.device, region_chunk, metadata.topk)
+    merged = _merge_tiles(metadata.score_tiles, groups, score_budget_bytes, call_bytes)
     for tile in merged:
         b, q0, q1, _, _ = tile
         query, weights = tile_inputs(b, q0, q1)
@@ -234,31 +235,44 @@ def _composite_keys(
     return torch.where(candidate, keys, _MASKED)
 
 
-def score_bytes_per_entry(method: str, device: torch.device | str, region_chunk: int) -> int:
-    """Temporary bytes per scored (query, group, region) entry of one call: its FP32 score, plus
-    for "threshold" the workspace of `stable_topk` (none on its GPU kernels), for "composite" the
-    int64 key and the running candidates it is concatenated with."""
-    if method == "composite":
-        return 4 + 8 + 8
-    return 4 + stable_topk_workspace_bytes(region_chunk, torch.float32, device)
+def score_call_bytes(
+    method: str, device: torch.device | str, region_chunk: int, topk: int
+) -> Callable[[int, int], int]:
+    """`call_bytes(rows, width)`: the temporary bytes of one scoring call of `rows` (query, group)
+    rows over `width` regions. Each chunk's FP32 scores, plus for "threshold" the workspace of
+    `stable_topk` (none on its GPU kernels) and, once a call spans several chunks, the running
+    candidates concatenated with the chunk (FP32 scores and int64 ids over `topk + chunk`
+    entries); for "composite" 20 bytes per entry (score, int64 key, concatenation)."""
+
+    def workspace(n: int) -> int:
+        return stable_topk_workspace_bytes(n, torch.float32, device)
+
+    def call_bytes(rows: int, width: int) -> int:
+        chunk = min(width, region_chunk)
+        if method == "composite":
+            return rows * chunk * 20
+        one_chunk = rows * chunk * (4 + workspace(chunk))
+        if width <= region_chunk:
+            return one_chunk
+        return one_chunk + rows * (topk + chunk) * (4 + 8 + workspace(topk + chunk))
+
+    return call_bytes
 
 
 def _merge_tiles(
     tiles: tuple[ScoreTile, ...],
     groups: int,
-    region_chunk: int,
     budget: int,
-    bytes_per_entry: int = 20,
+    call_bytes: Callable[[int, int], int],
 ) -> list[ScoreTile]:
     """Join tiles of one batch row that touch (no unscored rows between them) while one call's
-    temporaries (`bytes_per_entry` per scored entry) stay within `budget` bytes."""
+    temporaries (`call_bytes(rows, width)`, `score_call_bytes`) stay within `budget` bytes."""
     merged: list[list[int]] = []
     for b, q0, q1, r0, r1 in tiles:
         if merged and merged[-1][0] == b and merged[-1][2] == q0:
             mb, m0, _, mr0, mr1 = merged[-1]
             lo, hi = min(mr0, r0), max(mr1, r1)
-            width = min(hi - lo, region_chunk)
-            if (q1 - m0) * groups * width * bytes_per_entry <= budget:
+            if call_bytes((q1 - m0) * groups, hi - lo) <= budget:
                 merged[-1] = [mb, m0, q1, lo, hi]
                 continue
         merged.append([b, q0, q1, r0, r1])
