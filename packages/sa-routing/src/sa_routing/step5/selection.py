@@ -49,8 +49,7 @@ def select_regions(
         score_budget_bytes: adjacent tiles of one batch row are scored in one call while its
             temporaries fit in this many bytes (`score_call_bytes`: 4 per score with "threshold"
             on the GPU and one region chunk, 20 with "composite"); fewer, larger calls cost less
-            host time.
-            The ids do not depend on it.
+            host time. The ids do not depend on it.
         method: how ties are made deterministic (both give the same ids): "threshold"
             (`sa_kernels.stable_topk` on the running candidates, whose ids ascend: a Triton radix
             select on CUDA, two PyTorch top-k passes otherwise) or "composite" (one int64 top-k over
