@@ -7,7 +7,7 @@ import torch
 
 from sa_routing import region_metadata, select_regions
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
-from sa_routing.step5.selection import _merge_tiles, score_call_bytes
+from sa_routing.step5.selection import MERGE_WIDTH_GROWTH, _merge_tiles, score_call_bytes
 from sa_routing.step5.testing import document_positions
 
 BACKENDS = ["reference", "triton"]
@@ -228,6 +228,22 @@ def test_the_score_budget_counts_the_bytes_each_method_allocates() -> None:
         assert tiles[0][1] == m.score_tiles[0][1]
         assert sum(t[2] - t[1] for t in tiles) == sum(t[2] - t[1] for t in m.score_tiles)
     assert all((q1 - q0) * 4 * (r1 - r0) * 4 <= 2**20 for _, q0, q1, r0, r1 in wide if q1 - q0 > 16)
+
+
+def test_merged_calls_grow_at_most_by_the_width_bound() -> None:
+    # one long document: tile widths grow with the position, so a call over many tiles scores a
+    # rectangle much larger than its rows' causal ranges unless its width is bounded
+    pos, pad = document_positions([6000], 6000)
+    m = region_metadata(pos[None], pad[None], 0, 6000, 8, 16, tile_size=32)
+    call_bytes = score_call_bytes("threshold", "cuda", 16384, 16)
+    bounded = _merge_tiles(m.score_tiles, 4, 2**30, call_bytes)
+    unbounded = _merge_tiles(m.score_tiles, 4, 2**30, call_bytes, max_growth=float("inf"))
+    assert len(unbounded) == 1 < len(bounded)
+    first_width = {q0: r1 - r0 for _, q0, _, r0, r1 in m.score_tiles}
+    for _, q0, _, r0, r1 in bounded:
+        assert r1 - r0 <= MERGE_WIDTH_GROWTH * first_width[q0]
+    rows = lambda tiles: sorted(q for t in tiles for q in range(t[1], t[2]))
+    assert rows(bounded) == rows(m.score_tiles)
 
 
 @pytest.mark.parametrize("rows", [5, 500], ids=["tail-of-a-long-tile", "whole-tile"])

@@ -20,6 +20,10 @@ _LOW = 2**32
 _ID_FLIP = 2**31 - 1
 _MASKED = torch.iinfo(torch.int64).min
 METHODS = ("threshold", "composite")
+MERGE_WIDTH_GROWTH = 1.25
+"""How much wider than its first score tile a merged call may grow (`_merge_tiles`). At 65 536
+tokens in one document the calls scored 1.205x the causal work unbounded, 1.094x at 1.25 (offline
+count of the rectangles)."""
 
 
 def select_regions(
@@ -263,19 +267,24 @@ def _merge_tiles(
     groups: int,
     budget: int,
     call_bytes: Callable[[int, int], int],
+    max_growth: float = MERGE_WIDTH_GROWTH,
 ) -> list[ScoreTile]:
     """Join tiles of one batch row that touch (no unscored rows between them) while one call's
-    temporaries (`call_bytes(rows, width)`, `score_call_bytes`) stay within `budget` bytes."""
+    temporaries (`call_bytes(rows, width)`, `score_call_bytes`) stay within `budget` bytes and its
+    regions span at most `max_growth` times its first tile's: a call scores the rectangle of its
+    rows and regions, so rows whose causal range is much shorter would be scored (and their top-k
+    walked) over regions they cannot select."""
     merged: list[list[int]] = []
     for b, q0, q1, r0, r1 in tiles:
         if merged and merged[-1][0] == b and merged[-1][2] == q0:
-            mb, m0, _, mr0, mr1 = merged[-1]
+            mb, m0, _, mr0, mr1, first_width = merged[-1]
             lo, hi = min(mr0, r0), max(mr1, r1)
-            if call_bytes((q1 - m0) * groups, hi - lo) <= budget:
-                merged[-1] = [mb, m0, q1, lo, hi]
+            fits = call_bytes((q1 - m0) * groups, hi - lo) <= budget
+            if fits and hi - lo <= max_growth * first_width:
+                merged[-1] = [mb, m0, q1, lo, hi, first_width]
                 continue
-        merged.append([b, q0, q1, r0, r1])
-    return [(b, q0, q1, r0, r1) for b, q0, q1, r0, r1 in merged]
+        merged.append([b, q0, q1, r0, r1, r1 - r0])
+    return [(b, q0, q1, r0, r1) for b, q0, q1, r0, r1, _ in merged]
 
 
 def _check(
