@@ -22,8 +22,9 @@ _MASKED = torch.iinfo(torch.int64).min
 METHODS = ("threshold", "composite")
 MERGE_WIDTH_GROWTH = 1.25
 """How much wider than its first score tile a merged call may grow (`_merge_tiles`). At 65 536
-tokens in one document the calls scored 1.205x the causal work unbounded, 1.094x at 1.25 (offline
-count of the rectangles)."""
+tokens in one document the calls score 1.205x the causal work unbounded, 1.094x at 1.25. On the
+H200 the forward's time did not change (the smaller calls run the scoring kernel less efficiently),
+and its peak extra memory went from 1.72 to 1.48 GiB (1.78 to 1.55 at 131 072 tokens)."""
 
 
 def select_regions(
