@@ -1,5 +1,9 @@
 """stable_topk: exactly the first k positions of a stable descending sort, ties to the lower position."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -358,3 +362,42 @@ def test_the_gluon_kernels_take_the_rows_they_were_written_for():
     }
     assert {shape: gluon_kernels.applies(*shape) for shape in takes} == takes
     assert not gluon_kernel_applies(torch.randn(2, 5000), 5)  # CPU rows: never
+
+
+_COMPILE_GLUON_KERNELS = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from sa_kernels.stable_topk import gluon_kernels as m
+
+pointers = {"scores_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i32"}
+for kernel, constants in (
+    (m._stable_topk_prefilter_kernel, {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4}),
+    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4}),
+):
+    signature = {
+        name: "constexpr" if name in constants else pointers.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert compiled.asm["cubin"], kernel.__name__
+print("compiled")
+"""
+
+
+def test_the_gluon_kernels_compile_for_hopper_with_the_installed_triton():
+    """Offline, no GPU: both Gluon kernels go through the installed Triton's whole pipeline to a
+    cubin for sm_90 (the GPU machine runs Triton 3.6; this runs whatever the lock file installs).
+    In a subprocess without TRITON_INTERPRET, which would turn the kernels into interpreted ones."""
+    pytest.importorskip("sa_kernels.stable_topk.gluon_kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_GLUON_KERNELS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
