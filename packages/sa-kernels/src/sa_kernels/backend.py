@@ -6,6 +6,7 @@ CUDA tensors run Triton, CPU tensors run the reference.
 `TRITON_INTERPRET=1` in the environment before Triton compiles anything (the CPU test sessions set it).
 """
 
+import functools
 import importlib.util
 import math
 import os
@@ -19,6 +20,12 @@ Backend = Literal["auto", "triton", "reference"]
 def triton_interpret() -> bool:
     """True when Triton kernels run through the interpreter (CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (for launches that size their grid by them)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def has_triton() -> bool:

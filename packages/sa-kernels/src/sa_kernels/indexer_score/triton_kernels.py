@@ -17,13 +17,11 @@ D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import triton_interpret
+from sa_kernels.backend import sm_count, triton_interpret
 
 try:  # Triton >= 3.4: host-side TMA descriptors (also run by the interpreter)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -436,18 +434,13 @@ def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, int
     )
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _programs(query: torch.Tensor, cfg: dict, interpret: bool) -> int:
     """How many programs the resident kernel launches: cfg["PROGRAMS"] (tests) or PER_SM per SM (3 interpreted)."""
     if cfg.get("PROGRAMS") is not None:
         return cfg["PROGRAMS"]
     if interpret:
         return 3
-    return _sm_count(query.device.index) * cfg.get("PER_SM", 1)
+    return sm_count(query.device.index) * cfg.get("PER_SM", 1)
 
 
 def _launch_resident(

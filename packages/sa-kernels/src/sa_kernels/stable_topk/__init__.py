@@ -1,7 +1,5 @@
 """Deterministic top-k: the k best entries by (score descending, position ascending), without a full sort."""
 
-import functools
-
 import torch
 
 from sa_kernels.backend import has_triton, resolve_backend, triton_interpret
@@ -128,18 +126,13 @@ def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     narrowed with `2k <= 1024`)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
-    if _capability(rows.device.index)[0] != 9:
+    if torch.cuda.get_device_capability(rows.device)[0] != 9:
         return False
     try:
         from . import gluon_kernels
     except (ImportError, AttributeError):  # a Triton without Gluon, or without a name it uses
         return False
     return gluon_kernels.applies(rows.shape[-1], k)
-
-
-@functools.cache
-def _capability(device_index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def _threshold_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

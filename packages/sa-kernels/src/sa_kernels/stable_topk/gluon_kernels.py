@@ -30,6 +30,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from sa_kernels.backend import sm_count
 from sa_kernels.gluon_compat import cta_barrier
 from sa_kernels.stable_topk import TRITON_MAX_ROW
 
@@ -339,7 +340,11 @@ def stable_topk_rows(
             num_warps=warps,
         )
         return out
-    programs = rows if programs_per_sm is None else min(rows, _sm_count(scores) * programs_per_sm)
+    programs = (
+        rows
+        if programs_per_sm is None
+        else min(rows, sm_count(scores.device.index) * programs_per_sm)
+    )
     _stable_topk_prefilter_kernel[(programs,)](
         scores,
         out,
@@ -355,10 +360,6 @@ def stable_topk_rows(
         num_warps=prefilter_warps,
     )
     return out
-
-
-def _sm_count(scores: torch.Tensor) -> int:
-    return torch.cuda.get_device_properties(scores.device).multi_processor_count
 
 
 __all__ = ["MAXIMA", "applies", "stable_topk_rows"]

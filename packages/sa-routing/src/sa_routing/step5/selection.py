@@ -248,17 +248,19 @@ def score_call_bytes(
     candidates concatenated with the chunk (FP32 scores and int64 ids over `topk + chunk`
     entries); for "composite" 20 bytes per entry (score, int64 key, concatenation)."""
 
-    def workspace(n: int) -> int:
-        return stable_topk_workspace_bytes(n, torch.float32, device)
+    # stable_topk's workspace per entry, at the longest rows of a single-chunk and of a later
+    # chunk's call (it only grows with the row): asked once, not per tile
+    single = stable_topk_workspace_bytes(region_chunk, torch.float32, device)
+    running = stable_topk_workspace_bytes(topk + region_chunk, torch.float32, device)
 
     def call_bytes(rows: int, width: int) -> int:
         chunk = min(width, region_chunk)
         if method == "composite":
             return rows * chunk * 20
-        one_chunk = rows * chunk * (4 + workspace(chunk))
+        one_chunk = rows * chunk * (4 + single)
         if width <= region_chunk:
             return one_chunk
-        return one_chunk + rows * (topk + chunk) * (4 + 8 + workspace(topk + chunk))
+        return one_chunk + rows * (topk + chunk) * (4 + 8 + running)
 
     return call_bytes
 
