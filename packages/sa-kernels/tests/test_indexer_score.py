@@ -99,6 +99,33 @@ def test_resident_kernel_matches_reference_across_segment_boundaries(case, dtype
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "cfg", [triton_kernels._INTERPRET_CONFIG, _resident(programs=3)], ids=["tiles", "resident"]
+)
+def test_padded_out_rows_get_the_contiguous_bits_and_the_padding_is_left_alone(cfg):
+    """`out` with rows padded past the regions (the selection pads them to 16 entries for vector
+    stores and loads), batch and group strides free: the same bits as a contiguous out."""
+    query, weights, summary = _inputs(2, 30, 3, 4, 40, 37, seed=9)
+    bounds = _candidate_bounds(2, 27, 37, seed=4)
+    dense = torch.full((2, 3, 27, 37), float("nan"))
+    triton_kernels.indexer_score_tile(query, weights, summary, 2, 29, dense, bounds, _config=cfg)
+    storage = torch.full((3, 2, 27, 48), 7.0).transpose(0, 1)  # batch stride < group stride
+    padded = storage[..., :37]
+    triton_kernels.indexer_score_tile(query, weights, summary, 2, 29, padded, bounds, _config=cfg)
+    assert torch.equal(padded, dense)
+    assert (storage[..., 37:] == 7.0).all()
+    public = indexer_score_tile(
+        query,
+        weights,
+        summary,
+        2,
+        29,
+        candidate_bounds=bounds,
+        out=torch.empty_like(storage)[..., :37],
+    )
+    torch.testing.assert_close(public, dense, atol=1e-4, rtol=1e-5)
+
+
 def test_tma_descriptors_only_where_strides_allow_them():
     _, _, summary = _inputs(2, 1, 1, 1, 24, 40)
     desc, batch_rows = triton_kernels._summary_descriptor(summary, 16, 32)
@@ -337,8 +364,13 @@ def test_errors_name_the_argument_and_the_values():
         ValueError, match=r"0 <= start <= stop <= queries \(8\); got start=5, stop=9"
     ):
         indexer_score_tile(query, weights, summary, 5, 9)
-    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor"):
+    with pytest.raises(ValueError, match=r"out must be a last-dim stride 1 torch.float32 tensor"):
         indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 7, 10))
+    with pytest.raises(
+        ValueError,
+        match=r"got \(1, 2, 8, 10\) torch.float32 on cpu with strides \(160, 80, 1, 8\), not last-dim stride 1",
+    ):
+        indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 10, 8).mT)
     first = torch.zeros(1, 8, dtype=torch.int64)
     with pytest.raises(TypeError, match=r"candidate_bounds past must be int64; got torch.int32"):
         indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first, first.int()))
@@ -365,6 +397,26 @@ def test_cuda_matches_reference_on_a_128_query_tile_against_4096_regions():
     got = indexer_score_tile(query, weights, summary, 100, 228)
     expected = reference.indexer_score_tile(query, weights, summary, 100, 228)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_padded_out_rows_get_the_contiguous_bits():
+    query, weights, summary = _inputs(1, 300, 4, 4, 256, 4093, device="cuda", seed=5)
+    bounds = _candidate_bounds(1, 200, 4093, device="cuda", seed=5)
+    dense = indexer_score_tile(query, weights, summary, 50, 250, candidate_bounds=bounds)
+    storage = torch.full((1, 4, 200, 4096), 7.0, device="cuda")
+    indexer_score_tile(
+        query, weights, summary, 50, 250, candidate_bounds=bounds, out=storage[..., :4093]
+    )
+    assert torch.equal(storage[..., :4093], dense)
+    assert (storage[..., 4093:] == 7.0).all()
+    # a call's width does not move the bits of its columns (4096 regions: every mask and stride
+    # divisible by 16, which Triton specialises on)
+    wider = _inputs(1, 300, 4, 4, 256, 4096, device="cuda", seed=5)[2]
+    wider[0, :4093] = summary[0]
+    bounds_wider = (bounds[0], bounds[1].clamp(max=4093))
+    whole = indexer_score_tile(query, weights, wider, 50, 250, candidate_bounds=bounds_wider)
+    assert torch.equal(whole[..., :4093], dense)
 
 
 @pytest.mark.gpu

@@ -75,25 +75,34 @@ def check_out(
     device: torch.device,
     *,
     dtype_name: str | None = None,
+    padded_rows: bool = False,
 ) -> None:
     """Raise ValueError naming `op` unless `out` (an optional output buffer) is None or a contiguous
-    `dtype` tensor of `shape` on `device`; the message calls the dtype `dtype_name` (default `str(dtype)`)."""
+    `dtype` tensor of `shape` on `device`; the message calls the dtype `dtype_name` (default `str(dtype)`).
+    `padded_rows`: any strides are accepted but a last-dim stride of 1 (rows may be padded)."""
     if out is None:
         return
+
+    def laid_out(t: torch.Tensor) -> bool:
+        if padded_rows:
+            return t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1
+        return t.is_contiguous()
+
     if (
         isinstance(out, torch.Tensor)
         and out.shape == shape
         and out.dtype == dtype
         and out.device == device
-        and out.is_contiguous()
+        and laid_out(out)
     ):
         return
+    layout = "last-dim stride 1" if padded_rows else "contiguous"
     got = (
-        (tuple(out.shape), out.dtype, out.device)
-        + (() if out.is_contiguous() else (f"strides {out.stride()}, not contiguous",))
+        f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        + ("" if laid_out(out) else f" with strides {out.stride()}, not {layout}")
         if isinstance(out, torch.Tensor)
         else type(out).__name__
     )
     raise ValueError(
-        f"{op}: out must be a contiguous {dtype_name or dtype} tensor {shape} on {device}; got {got}"
+        f"{op}: out must be a {layout} {dtype_name or dtype} tensor {shape} on {device}; got {got}"
     )

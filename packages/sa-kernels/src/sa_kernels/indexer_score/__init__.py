@@ -35,7 +35,9 @@ def indexer_score_tile(
         candidate_bounds: optional `(first, past)`, int64 [batch, stop − start] each: query `start + i`
             keeps the scores of regions `first[b, i] <= r < past[b, i]` (indices into `summary`) and
             gets −inf elsewhere, in the same kernel (no second pass over the scores).
-        out: optional float32 [batch, groups, stop − start, regions] contiguous tensor to write into.
+        out: optional float32 [batch, groups, stop − start, regions] tensor to write into; last-dim
+            stride 1, other strides free (rows padded to a multiple of 16 entries let the kernels,
+            and `stable_topk` after them, use vector loads and stores).
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
     Returns:
         float32 [batch, groups, stop − start, regions] (float64 on the reference for float64 inputs).
@@ -43,7 +45,8 @@ def indexer_score_tile(
         TypeError: non-tensors, dtypes other than the above, summary's dtype differs from query's, float64 on Triton,
             `candidate_bounds` not a pair of int64 tensors.
         ValueError: ranks, batch/queries/groups/heads/dim disagree, start/stop out of range, a last-dim stride is
-            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype/layout,
+            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype or with
+            a last-dim stride other than 1,
             `candidate_bounds` not [batch, stop − start] on query's device, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
@@ -97,7 +100,7 @@ def indexer_score_tile(
         torch.float64 if chosen == "reference" and query.dtype == torch.float64 else torch.float32
     )
     shape = (batch, groups, stop - start, regions)
-    check_out(fn, out, shape, out_dtype, query.device)
+    check_out(fn, out, shape, out_dtype, query.device, padded_rows=True)
     if chosen == "reference":
         with torch.no_grad():
             result = reference.indexer_score_tile(
