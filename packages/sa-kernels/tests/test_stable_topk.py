@@ -302,7 +302,8 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     ("n", "k"),
     [
         *((16383, 512), (4096, 512), (32768, 100), (8192, 1), (5000, 7)),
-        *((3000, 512), (1024, 1), (2048, 2048), (4095, 700)),  # held whole
+        *((3000, 512), (2049, 3)),  # narrowed, at most three entries per group maximum
+        *((1024, 1), (2048, 2048), (4095, 700), (2048, 512)),  # held whole
     ],
 )
 def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
@@ -355,7 +356,9 @@ def test_the_gluon_kernels_take_the_rows_they_were_written_for():
         (1024, 5): True,  # held whole
         (4095, 700): True,  # held whole, any k
         (2000, 2001): False,  # k above n
-        (4096, 512): True,  # narrowed: 2k fits the 1024 slots
+        (2048, 512): True,  # held whole
+        (2049, 512): True,  # narrowed: 2k fits the 1024 slots
+        (4096, 512): True,
         (4096, 513): False,
         (32768, 512): True,
         (32769, 1): False,  # above TRITON_MAX_ROW

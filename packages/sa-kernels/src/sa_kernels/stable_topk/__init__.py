@@ -55,8 +55,8 @@ def stable_topk(
       per row (by default), radix select of the k-th best score then a prefix sum (`triton_kernels`;
       rows of 8192 entries or more are streamed and first narrowed to the scores above a bound from
       strided group maxima); reads the scores one to three times, no workspace beyond the output.
-      On SM90 GPUs the same algorithm written in Gluon runs rows of 1024 to 4095 entries (held
-      whole) and of 4096 to 32768 entries where `k <= 512` (narrowed): `gluon_kernels`,
+      On SM90 GPUs the same algorithm written in Gluon runs rows of 2049 to 32768 entries where
+      `k <= 512` (narrowed) and the other rows of 1024 to 4095 entries (held whole): `gluon_kernels`,
       `gluon_kernel_applies`.
     - "reference" (CPU, float64, longer rows): a float `torch.topk` gives the k-th best score `t`;
       every entry above `t` is kept, and among entries equal to `t` an int32 `torch.topk` over the
@@ -122,8 +122,8 @@ def stable_topk(
 def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
     scores: an SM90 GPU (where it was measured), a Triton with Gluon, not the interpreter, and rows
-    the Gluon kernels take (`gluon_kernels.applies`: 1024 to 4095 entries held whole, 4096 to 32768
-    narrowed with `2k <= 1024`)."""
+    the Gluon kernels take (`gluon_kernels.applies`: 2049 to 32768 entries narrowed where
+    `2k <= 1024`, the other rows of 1024 to 4095 entries held whole)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
     if torch.cuda.get_device_capability(rows.device)[0] != 9:

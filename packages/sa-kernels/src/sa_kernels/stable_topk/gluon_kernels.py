@@ -8,7 +8,7 @@ Here a chunk is `[threads, RUN]`, thread t holding the RUN entries `t * RUN ...`
 sum within the thread plus one scan over the threads' counts.
 
 Two kernels, one program per row:
-- rows of 4096 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
+- rows of 2049 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
   default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
   mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); the
   k-th largest maximum `bound` (a bit-by-bit walk); the positions of the keys above `bound`
@@ -16,8 +16,9 @@ Two kernels, one program per row:
   2k of them (the usual case), the walk over those keys and the kept positions written ascending;
   fewer than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k
   (heavy ties above the bound), a walk that re-reads the row per step.
-- rows of 1024 to 4095 entries, any k (`_stable_topk_whole_row_kernel`): the row held whole, walked,
-  and the kept positions written from the registers.
+- other rows of 1024 to 4095 entries (up to 2048 entries, or `2k > 1024`; any k)
+  (`_stable_topk_whole_row_kernel`): the row held whole, walked, and the kept positions written
+  from the registers.
 Same keys and tie order as `triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same
 positions.
 
@@ -292,20 +293,26 @@ def _stable_topk_prefilter_kernel(
         )
 
 
+PREFILTER_MIN = 2049
+"""Shortest row the prefilter takes. The whole-row kernel pads a row to a power of two, so rows of
+2049 to 4095 entries were walked as 4096 (32 keys per thread): on the H200 (8192 rows, k 512) the
+prefilter took them 1.2-1.8x faster, while at 1024 to 2048 entries the whole-row walk was as fast
+or faster (0.62-1.13x). Rows of 2049 entries have at most three per group maximum, so at most 3(k - 1)
+keys pass the bound: the few rows above 2k take the slower heavy-tie branch, with the same result."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""
 
 
 def applies(n: int, k: int) -> bool:
-    """Rows these kernels take: the prefilter's (at least four entries per group maximum, k at most
-    half of them: the survivors' capacity, at most 32768 entries: `TRITON_MAX_ROW`), or held whole
-    (`WHOLE_ROW_MIN` to `4 * MAXIMA` entries, any k)."""
+    """Rows these kernels take: the prefilter's (`PREFILTER_MIN` to `TRITON_MAX_ROW` entries, k at
+    most half the survivors' capacity MAXIMA), or held whole (other rows of `WHOLE_ROW_MIN` to
+    `4 * MAXIMA - 1` entries, any k)."""
     if k < 1 or k > n:
         return False
-    if n < 4 * MAXIMA:
-        return n >= WHOLE_ROW_MIN
-    return n <= TRITON_MAX_ROW and 2 * k <= MAXIMA
+    if PREFILTER_MIN <= n <= TRITON_MAX_ROW and 2 * k <= MAXIMA:
+        return True
+    return WHOLE_ROW_MIN <= n < 4 * MAXIMA
 
 
 def stable_topk_rows(
@@ -325,7 +332,7 @@ def stable_topk_rows(
     out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     if rows == 0:
         return out
-    if n < 4 * MAXIMA:  # held whole: RUN adjacent entries per thread cover the row
+    if n < PREFILTER_MIN or 2 * k > MAXIMA:  # held whole: RUN adjacent entries per thread cover it
         warps = whole_row_warps
         block = max(32 * warps, triton.next_power_of_2(n))
         _stable_topk_whole_row_kernel[(rows,)](
