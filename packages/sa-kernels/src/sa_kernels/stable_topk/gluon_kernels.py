@@ -10,9 +10,10 @@ sum within the thread plus one scan over the threads' counts.
 Two kernels, one program per row:
 - rows of 2049 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
   default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
-  mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); the
-  k-th largest maximum `bound` (a bit-by-bit walk); the positions of the keys above `bound`
-  compacted in position order into the output row's memory (2k int32 slots); then: between k and
+  mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); a
+  `bound` that k to k + k/8 maxima reach (a bit-by-bit walk, stopped there); the positions of the
+  keys above `bound` compacted in position order into the output row's memory (2k int32 slots);
+  then: between k and
   2k of them (the usual case), the walk over those keys and the kept positions written ascending;
   fewer than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k
   (heavy ties above the bound), a walk that re-reads the row per step.
@@ -85,16 +86,17 @@ def _exclusive_prefix(x):
 
 
 @gluon.jit
-def _kth_key_from(keys, k, prefix, shift):
-    """The k-th largest of the uint32 keys [threads, RUN], or a prefix reached by exactly k of them
-    (the walk stops there), the bits above `shift` already known to be `prefix`'s."""
+def _kth_key_from(keys, k, prefix, shift, slack):
+    """The k-th largest of the uint32 keys [threads, RUN], or a prefix reached by k to `k + slack`
+    of them (the walk stops there; with slack 0 the prefix reached by exactly k), the bits above
+    `shift` already known to be `prefix`'s."""
     searching = shift >= 0
     while searching:
         candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
         reaching = _total((keys >= candidate).to(gl.int32))
         prefix = gl.where(reaching >= k, candidate, prefix)
         shift -= 1
-        searching = (shift >= 0) & (reaching != k)
+        searching = (shift >= 0) & ((reaching < k) | (reaching > k + slack))
     return prefix
 
 
@@ -171,7 +173,11 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
         tail = gl.load(row + positions, mask=positions < n, other=float("-inf"))
         maxima = gl.maximum(maxima, tail.to(gl.float32))
     maxima_keys = _keys_of(maxima)
-    bound = _kth_key_from(maxima_keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32))
+    # Any prefix that k maxima reach is a bound: the walk stops once at most k + k/8 reach it, 9 to
+    # 13 steps instead of 16 to 20 on random rows, for about 8 % more keys above it (offline)
+    bound = _kth_key_from(
+        maxima_keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32), k >> 3
+    )
     top = gl.max(gl.max(maxima_keys, axis=1), axis=0)  # the row's largest key
 
     # The positions of the keys above `bound` (at least k reach it), in position order, into the
@@ -199,7 +205,7 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
             threshold = top
         else:
             prefix, shift = _walk_start(bound + 1, top)
-            threshold = _kth_key_from(keys, k, prefix, shift)
+            threshold = _kth_key_from(keys, k, prefix, shift, 0)
         cta_barrier()  # every slot is read before the output overwrites it
         above = (keys > threshold).to(gl.int32)
         tied = (keys == threshold).to(gl.int32)
@@ -234,7 +240,7 @@ def _whole_row(row, out, offsets, n, k):
     """`stable_topk` of a row held whole (offsets [threads, RUN] cover it): the walk over every key,
     then the kept positions, ascending."""
     keys = _chunk_keys(row, offsets, n)
-    threshold = _kth_key_from(keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32))
+    threshold = _kth_key_from(keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32), 0)
     above = (keys > threshold).to(gl.int32)
     tied = ((keys == threshold) & (offsets < n)).to(gl.int32)
     tied_before = _exclusive_prefix(tied)
