@@ -298,7 +298,7 @@ def test_indexer_selection_does_not_depend_on_how_many_rows_are_projected_per_ca
         results.append(indexer(hidden, pos, keys, logits, pos, pad, metadata=m).region_ids)
     assert all(torch.equal(r, results[-1]) for r in results)
     indexer.selection_options = {"project_rows": 0}
-    with pytest.raises(ValueError, match="project_rows must be an int >= 1"):
+    with pytest.raises(ValueError, match="project_rows must be an int >= 1; got 0"):
         indexer(hidden, pos, keys, logits, pos, pad, metadata=m)
 
 

@@ -7,7 +7,12 @@ import torch
 
 from sa_routing import region_metadata, select_regions
 from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
-from sa_routing.step5.selection import MERGE_WIDTH_GROWTH, _merge_tiles, score_call_bytes
+from sa_routing.step5.selection import (
+    MERGE_WIDTH_GROWTH,
+    _merge_tiles,
+    score_call_bytes,
+    select_regions_tiled,
+)
 from sa_routing.step5.testing import document_positions
 
 BACKENDS = ["reference", "triton"]
@@ -276,6 +281,42 @@ def test_merged_tiles_score_exactly_the_rows_of_the_metadata_tiles() -> None:
     rows = lambda tiles: sorted(q for t in tiles for q in range(t[1], t[2]))
     assert rows(merged) == rows(m.score_tiles)
     assert not any(m.sparse_queries[0, 30:40])
+
+
+@pytest.mark.parametrize("project_rows", [1, 20, 45, 10_000])
+def test_every_scored_row_is_projected_once_in_spans_of_whole_calls(project_rows: int) -> None:
+    # two batch rows, dense gaps inside the first (documents' first rows hold no tile), 1-byte budget
+    # (no merging) and 2**30 (merged calls)
+    pos_a, pad_a = document_positions([30, 12, 40], 90)
+    pos_b, pad_b = document_positions([85], 90)
+    pos, pad = torch.stack([pos_a, pos_b]), torch.stack([pad_a, pad_b])
+    m = region_metadata(pos, pad, 0, 90, region_size=2, topk=4, tile_size=8)
+    query, weights, summary = integer_inputs(2, 90, m.region_count, 2, 2, 16, spread=3)
+    for budget in (1, 2**30):
+        asked: list[tuple[int, int, int]] = []
+
+        def tile_inputs(b: int, q0: int, q1: int, asked=asked) -> tuple[torch.Tensor, torch.Tensor]:
+            asked.append((b, q0, q1))
+            return query[b : b + 1, q0:q1], weights[b : b + 1, q0:q1]
+
+        ids = select_regions_tiled(
+            tile_inputs, 2, summary, m, score_budget_bytes=budget, project_rows=project_rows
+        )
+        assert torch.equal(ids, select_regions(query, weights, summary, m))
+        rows = sorted((b, q) for b, q0, q1 in asked for q in range(q0, q1))
+        assert rows == sorted((t[0], q) for t in m.score_tiles for q in range(t[1], t[2]))
+        call_bytes = score_call_bytes("threshold", "cpu", 16384, 4)
+        calls = _merge_tiles(m.score_tiles, 2, budget, call_bytes)
+        ends = {(b, q1) for b, _, q1, _, _ in calls}
+        longest_call = max(q1 - q0 for _, q0, q1, _, _ in calls)
+        for b, q0, q1 in asked:
+            assert (b, q1) in ends, "a span ends where a scoring call ends"
+            assert q1 - q0 <= max(project_rows, longest_call)
+        if project_rows == 10_000 and budget == 1:
+            # row 0's sparse rows: [10, 30), [40, 42), [52, 82) (dense rows between); row 1's [10, 85)
+            assert asked == [(0, 10, 30), (0, 40, 42), (0, 52, 82), (1, 10, 85)]
+    with pytest.raises(ValueError, match="project_rows must be an int >= 1; got 0"):
+        select_regions_tiled(tile_inputs, 2, summary, m, project_rows=0)
 
 
 def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:

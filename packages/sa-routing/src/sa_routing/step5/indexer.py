@@ -1,7 +1,5 @@
 """`Step5SparseIndexer`: the checkpoint-backed CSA router of one layer (SEMANTICS §1.2)."""
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -17,9 +15,6 @@ from .selection import select_regions_dense, select_regions_tiled
 from .summaries import summarize_regions
 
 SUMMARY_CHUNK_REGIONS = 4096
-PROJECT_CHUNK_QUERIES = 16384
-"""Query rows projected per call: adjacent score tiles share one projection (fewer, larger launches).
-H200, 128k tokens (2026-11-29): 16384 rows 160.2 ms per forward, 4096 rows 163.3 ms; peak 0.87 vs 0.79 GiB."""
 
 
 class Step5SparseIndexer(nn.Module):
@@ -58,8 +53,8 @@ class Step5SparseIndexer(nn.Module):
         self.rotary = Step5IndexerRotaryEmbedding(config.rope_dim, config.rope_theta_for(layer_idx))
         self.requires_grad_(False)
         self.selection_options: dict = {}
-        """Keyword options of `select_regions` (region_chunk, score_budget_bytes, method, backend), plus
-        `project_rows`: query rows projected per call (default `PROJECT_CHUNK_QUERIES`)."""
+        """Keyword options of `select_regions_tiled` (region_chunk, score_budget_bytes, project_rows,
+        method, backend)."""
 
     @torch.no_grad()
     def project_keys(
@@ -163,45 +158,14 @@ class Step5SparseIndexer(nn.Module):
         summary = region_summaries(keys, compression_logits, metadata)
         if options.get("_mark") is not None:
             options["_mark"]("summaries")
-        project_rows = options.pop("project_rows", PROJECT_CHUNK_QUERIES)
-        tile_inputs = self._tile_query_source(hidden, positions, metadata, project_rows)
+
+        def tile_inputs(b: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.project_queries(hidden[b : b + 1, q0:q1], positions[b : b + 1, q0:q1])
+
         ids = select_regions_tiled(
             tile_inputs, cfg.num_provider_groups, summary, metadata, **options
         )
         return RegionSelection(ids, metadata.region_count)
-
-    def _tile_query_source(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: RegionMetadata,
-        project_rows: int,
-    ) -> Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]:
-        """`tile_inputs` for `select_regions_tiled`: projects up to `project_rows` rows at a time (never
-        past the batch row's last score tile) and hands out slices, so that adjacent tiles share one
-        projection. On CPU a row's projection does not depend on the others in its call; on CUDA the
-        GEMM kernel cuBLAS picks may depend on the call's row count, so scores can change in the last
-        bits with `project_rows` (and a selection only at FP32 near-ties)."""
-        if isinstance(project_rows, bool) or not isinstance(project_rows, int) or project_rows < 1:
-            raise ValueError(
-                f"Step5SparseIndexer.forward: project_rows must be an int >= 1; got {project_rows!r}"
-            )
-        row_end: dict[int, int] = {}
-        for b, _, q1, _, _ in metadata.score_tiles:
-            row_end[b] = max(row_end.get(b, 0), q1)
-        span: list = [-1, 0, 0, None, None]  # batch, first row, past last row, query, weights
-
-        def tile_inputs(b: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if span[0] != b or not span[1] <= q0 <= q1 <= span[2]:
-                stop = max(q1, min(row_end[b], q0 + project_rows))
-                query, weights = self.project_queries(
-                    hidden[b : b + 1, q0:stop], positions[b : b + 1, q0:stop]
-                )
-                span[:] = [b, q0, stop, query, weights]
-            first = span[1]
-            return span[3][:, q0 - first : q1 - first], span[4][:, q0 - first : q1 - first]
-
-        return tile_inputs
 
     def _check_hidden(self, fn: str, hidden: torch.Tensor, positions: torch.Tensor) -> None:
         if hidden.dim() != 3 or hidden.shape[-1] != self.config.hidden_size:
