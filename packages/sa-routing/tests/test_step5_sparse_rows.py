@@ -8,7 +8,7 @@ from sa_routing.step5.sparse_rows import write_sparse_rows
 
 @pytest.mark.parametrize("offset", [0, 37])
 @pytest.mark.parametrize("topk", [1, 5, 8])
-def test_kernel_writes_the_sparse_rows_as_the_pytorch_path_does(topk: int, offset: int) -> None:
+def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(topk: int, offset: int) -> None:
     gen = torch.Generator().manual_seed(topk + offset)
     groups, queries, n, q0 = 3, 20, 11, 6
     before = torch.randint(
@@ -20,18 +20,23 @@ def test_kernel_writes_the_sparse_rows_as_the_pytorch_path_does(topk: int, offse
     current = torch.randint(300, 400, (n,), generator=gen)
     sparse = torch.rand(n, generator=gen) < 0.6
     sparse[0], sparse[-1] = True, False
+    width = max(1, topk - 2)  # dense ids narrower than the slots: the rest is the fill
+    dense = torch.randint(0, 300, (queries, width), generator=gen, dtype=torch.int32)[q0 : q0 + n]
+    fill = 999
     outs = {}
     for backend in ("reference", "triton"):
         out = before.clone()
-        write_sparse_rows(out, 1, q0, kept, offset, current, sparse, backend=backend)
+        write_sparse_rows(out, 1, q0, kept, offset, current, sparse, dense, fill, backend=backend)
         outs[backend] = out
     assert torch.equal(outs["triton"], outs["reference"])
     out = outs["triton"]
     rows = out[1, :, q0 : q0 + n]
     assert torch.equal(rows[:, sparse, :topk], (kept[:, sparse] + offset).int())
     assert torch.equal(rows[:, sparse, topk], current[sparse].int().expand(groups, -1))
+    assert torch.equal(rows[:, ~sparse, :width], dense[~sparse].expand(groups, -1, -1))
+    assert (rows[:, ~sparse, width:] == fill).all()
     untouched = torch.ones_like(out, dtype=torch.bool)
-    untouched[1, :, q0 : q0 + n][:, sparse] = False
+    untouched[1, :, q0 : q0 + n] = False
     assert torch.equal(out[untouched], before[untouched])
 
 
@@ -39,5 +44,6 @@ def test_an_empty_tile_writes_nothing() -> None:
     out = torch.zeros(1, 2, 4, 3, dtype=torch.int32)
     empty = torch.empty(2, 0, 2, dtype=torch.int64)
     none = torch.empty(0, dtype=torch.int64)
-    write_sparse_rows(out, 0, 4, empty, 3, none, none.bool(), backend="triton")
+    dense = torch.empty(0, 3, dtype=torch.int32)
+    write_sparse_rows(out, 0, 4, empty, 3, none, none.bool(), dense, 9, backend="triton")
     assert not out.any()

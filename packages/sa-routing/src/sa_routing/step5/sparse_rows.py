@@ -1,4 +1,5 @@
-"""Writing one score tile's kept regions into the selection: its sparse rows only, in one pass.
+"""Writing one score tile's rows of the selection in one pass: kept regions on its sparse rows, the
+dense ids on the others.
 
 Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, relative to the tile's
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
@@ -20,19 +21,23 @@ def write_sparse_rows(
     offset: int,
     current: torch.Tensor,
     sparse: torch.Tensor,
+    dense: torch.Tensor,
+    fill: int,
     *,
     backend: str = "auto",
 ) -> None:
-    """`out[batch_row, g, first_query + i] = [kept[g, i] + offset..., current[i]]` where `sparse[i]`.
+    """`out[batch_row, g, first_query + i] = [kept[g, i] + offset..., current[i]]` where `sparse[i]`,
+    else `dense[i]` padded with `fill` (every group alike).
 
     Args:
-        out: int32 [B, G, Q, topk + 1], the selection; written in place, rows that are not sparse are
-            left as they are.
+        out: int32 [B, G, Q, topk + 1], the selection; the tile's rows are written in place.
         batch_row, first_query: where the tile's rows start in `out`.
         kept: int64 [G, n, topk] kept positions of the tile's rows (any strides).
         offset: added to every kept position (the region chunk's first region).
         current: int64 [n], each row's current region (its last slot).
-        sparse: bool [n], the rows to write.
+        sparse: bool [n], the rows that take `kept`.
+        dense: int32 [n, w], w <= topk + 1: the ids of the other rows (`dense_region_ids`).
+        fill: the slots of those rows past w (the unused sentinel, `region_count`).
         backend: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "reference".
     """
     groups, n, topk = kept.shape
@@ -42,8 +47,9 @@ def write_sparse_rows(
     if resolve_backend("write_sparse_rows", backend, out, kept, current, sparse) == "reference":
         ids = (kept + offset).to(torch.int32)
         last = current.to(torch.int32).view(1, n, 1).expand(groups, n, 1)
-        rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), rows))
+        padded = torch.nn.functional.pad(dense, (0, topk + 1 - dense.shape[-1]), value=fill)
+        rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), padded))
         return
     from .sparse_rows_triton import write_sparse_rows_triton
 
-    write_sparse_rows_triton(rows, kept, offset, current, sparse)
+    write_sparse_rows_triton(rows, kept, offset, current, sparse, dense, fill)

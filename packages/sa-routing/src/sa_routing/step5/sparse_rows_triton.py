@@ -11,6 +11,8 @@ def write_sparse_rows_triton(
     offset: int,
     current: torch.Tensor,
     sparse: torch.Tensor,
+    dense: torch.Tensor,
+    fill: int,
 ) -> None:
     """rows: int32 [G, n, topk + 1] view of the selection; the other arguments as `write_sparse_rows`."""
     groups, n, topk = kept.shape
@@ -19,13 +21,17 @@ def write_sparse_rows_triton(
         kept,
         current,
         sparse,
+        dense,
         offset,
+        fill,
         n,
         topk,
+        dense.shape[-1],
         *rows.stride(),
         *kept.stride(),
         current.stride(0),
         sparse.stride(0),
+        *dense.stride(),
         BLOCK=triton.next_power_of_2(topk + 1),
     )
 
@@ -36,9 +42,12 @@ def _write_sparse_rows_kernel(
     kept_ptr,
     current_ptr,
     sparse_ptr,
+    dense_ptr,
     offset,
+    fill,
     n,
     topk,
+    dense_width,
     so_g,
     so_q,
     so_s,
@@ -47,6 +56,8 @@ def _write_sparse_rows_kernel(
     sk_s,
     s_current,
     s_sparse,
+    sd_q,
+    sd_s,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -56,10 +67,15 @@ def _write_sparse_rows_kernel(
     is_sparse = (
         tl.load(sparse_ptr + i * s_sparse + slot * 0) != 0
     )  # a vector: the interpreter's masks
-    ids = tl.load(kept_ptr + g * sk_g + i * sk_q + slot * sk_s, mask=slot < topk, other=0) + offset
-    ids = tl.where(slot < topk, ids, tl.load(current_ptr + i * s_current))
+    ids = tl.load(
+        kept_ptr + g * sk_g + i * sk_q + slot * sk_s, mask=(slot < topk) & is_sparse, other=0
+    )
+    ids = tl.where(slot < topk, ids + offset, tl.load(current_ptr + i * s_current))
+    dense = tl.load(
+        dense_ptr + i * sd_q + slot * sd_s, mask=(slot < dense_width) & ~is_sparse, other=fill
+    )
     tl.store(
         rows_ptr + g * so_g + i * so_q + slot * so_s,
-        ids.to(tl.int32),
-        mask=(slot <= topk) & is_sparse,
+        tl.where(is_sparse, ids, dense).to(tl.int32),
+        mask=slot <= topk,
     )
