@@ -126,6 +126,25 @@ def test_padded_out_rows_get_the_contiguous_bits_and_the_padding_is_left_alone(c
     torch.testing.assert_close(public, dense, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "cfg", [triton_kernels._INTERPRET_CONFIG, _resident(programs=3)], ids=["tiles", "resident"]
+)
+def test_blocks_beyond_every_window_are_written_minus_inf_without_the_gemm(cfg):
+    """Causal windows that end early in the row (a merged call's first rows): region blocks no query
+    of a block reaches are skipped by the GEMM and still written, into a NaN-poisoned out."""
+    query, weights, summary = _inputs(1, 70, 2, 4, 40, 150, seed=13)
+    first = torch.zeros(1, 64, dtype=torch.int64)
+    first[0, 40:] = 45  # windows starting past the first blocks too
+    past = 3 + torch.arange(64).view(1, 64)  # query i reaches regions [first, i + 3)
+    out = torch.full((1, 2, 64, 150), float("nan"))
+    triton_kernels.indexer_score_tile(
+        query, weights, summary, 3, 67, out, (first, past), _config=cfg
+    )
+    expected = reference.indexer_score_tile(query, weights, summary, 3, 67, (first, past))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    assert out[..., 70:].isneginf().all()
+
+
 def test_tma_descriptors_only_where_strides_allow_them():
     _, _, summary = _inputs(2, 1, 1, 1, 24, 40)
     desc, batch_rows = triton_kernels._summary_descriptor(summary, 16, 32)
