@@ -383,13 +383,23 @@ def test_errors_name_the_argument_and_the_values():
         ValueError, match=r"0 <= start <= stop <= queries \(8\); got start=5, stop=9"
     ):
         indexer_score_tile(query, weights, summary, 5, 9)
-    with pytest.raises(ValueError, match=r"out must be a last-dim stride 1 torch.float32 tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"out must be a tensor with last-dim stride 1 and no overlapping elements "
+        r"\(torch.float32, shape \(1, 2, 8, 10\)",
+    ):
         indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 7, 10))
     with pytest.raises(
         ValueError,
-        match=r"got \(1, 2, 8, 10\) torch.float32 on cpu with strides \(160, 80, 1, 8\), not last-dim stride 1",
+        match=r"on cpu\); got \(1, 2, 8, 10\) torch.float32 on cpu with strides \(160, 80, 1, 8\)",
     ):
         indexer_score_tile(query, weights, summary, 0, 8, out=torch.empty(1, 2, 10, 8).mT)
+    for overlapping in (
+        torch.empty(1, 1, 8, 10).expand(1, 2, 8, 10),  # both groups in one block
+        torch.empty(1, 2, 8, 12).as_strided((1, 2, 8, 10), (160, 80, 5, 1)),  # rows overlap
+    ):
+        with pytest.raises(ValueError, match=r"no overlapping elements .* with strides"):
+            indexer_score_tile(query, weights, summary, 0, 8, out=overlapping)
     first = torch.zeros(1, 8, dtype=torch.int64)
     with pytest.raises(TypeError, match=r"candidate_bounds past must be int64; got torch.int32"):
         indexer_score_tile(query, weights, summary, 0, 8, candidate_bounds=(first, first.int()))

@@ -84,9 +84,18 @@ def check_out(
         return
 
     def laid_out(t: torch.Tensor) -> bool:
-        if padded_rows:
-            return t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1
-        return t.is_contiguous()
+        if not padded_rows:
+            return t.is_contiguous()
+        if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return False
+        # no two elements share memory: each dim's stride clears the extent of the smaller ones
+        extent = 1
+        for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim())):
+            if size > 1:
+                if stride < extent:
+                    return False
+                extent = stride * size
+        return True
 
     if (
         isinstance(out, torch.Tensor)
@@ -96,13 +105,17 @@ def check_out(
         and laid_out(out)
     ):
         return
-    layout = "last-dim stride 1" if padded_rows else "contiguous"
+    what = (
+        "tensor with last-dim stride 1 and no overlapping elements"
+        if padded_rows
+        else "contiguous tensor"
+    )
     got = (
         f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        + ("" if laid_out(out) else f" with strides {out.stride()}, not {layout}")
+        + ("" if laid_out(out) else f" with strides {out.stride()}")
         if isinstance(out, torch.Tensor)
         else type(out).__name__
     )
     raise ValueError(
-        f"{op}: out must be a {layout} {dtype_name or dtype} tensor {shape} on {device}; got {got}"
+        f"{op}: out must be a {what} ({dtype_name or dtype}, shape {shape}, on {device}); got {got}"
     )

@@ -36,8 +36,9 @@ def indexer_score_tile(
             keeps the scores of regions `first[b, i] <= r < past[b, i]` (indices into `summary`) and
             gets −inf elsewhere, in the same kernel (no second pass over the scores).
         out: optional float32 [batch, groups, stop − start, regions] tensor to write into; last-dim
-            stride 1, other strides free (rows padded to a multiple of 16 entries let the kernels,
-            and `stable_topk` after them, use vector loads and stores).
+            stride 1, other strides free as long as no two elements overlap (rows padded to a
+            multiple of 16 entries let `stable_topk` read them with vector loads; the kernels do not
+            specialise out's strides).
         backend: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference".
     Returns:
         float32 [batch, groups, stop − start, regions] (float64 on the reference for float64 inputs).
@@ -45,8 +46,8 @@ def indexer_score_tile(
         TypeError: non-tensors, dtypes other than the above, summary's dtype differs from query's, float64 on Triton,
             `candidate_bounds` not a pair of int64 tensors.
         ValueError: ranks, batch/queries/groups/heads/dim disagree, start/stop out of range, a last-dim stride is
-            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype or with
-            a last-dim stride other than 1,
+            not 1, dim < 16 or heads_per_group > 128 on Triton, `out` of the wrong shape/dtype, with
+            a last-dim stride other than 1 or overlapping elements,
             `candidate_bounds` not [batch, stop − start] on query's device, bad backend.
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
     """
@@ -100,6 +101,11 @@ def indexer_score_tile(
         torch.float64 if chosen == "reference" and query.dtype == torch.float64 else torch.float32
     )
     shape = (batch, groups, stop - start, regions)
+    if chosen != "reference" and (query.dtype == torch.float64 or weights.dtype != torch.float32):
+        raise TypeError(
+            f"{fn}: the Triton path takes bfloat16/float16/float32 query and float32 weights; "
+            f"got {query.dtype}, {weights.dtype}"
+        )
     check_out(fn, out, shape, out_dtype, query.device, padded_rows=True)
     if chosen == "reference":
         with torch.no_grad():
@@ -109,11 +115,6 @@ def indexer_score_tile(
         if out is None:
             return result
         return out.copy_(result)
-    if query.dtype == torch.float64 or weights.dtype != torch.float32:
-        raise TypeError(
-            f"{fn}: the Triton path takes bfloat16/float16/float32 query and float32 weights; "
-            f"got {query.dtype}, {weights.dtype}"
-        )
     if query.stride(-1) != 1 or summary.stride(-1) != 1:
         raise ValueError(
             f"{fn}: query and summary need last-dim stride 1; got {query.stride()} and {summary.stride()}"

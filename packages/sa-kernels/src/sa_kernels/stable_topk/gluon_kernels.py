@@ -14,12 +14,12 @@ Two kernels, one program per row:
 - rows of 2049 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
   default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
   mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); a
-  `bound` that k to k + k/8 maxima reach (a bit-by-bit walk, stopped there); the positions of the
-  keys above `bound` compacted in position order into the output row's memory (2k int32 slots);
-  then: between k and
-  2k of them (the usual case), the walk over those keys and the kept positions written ascending;
-  fewer than k, `bound` is the k-th largest key and one pass over the row writes them; more than 2k
-  (heavy ties above the bound), a walk that re-reads the row per step.
+  `bound` that at least k maxima reach (a bit-by-bit walk, stopped once at most k + k/8 do); the
+  positions of the keys above `bound` compacted in position order into the output row's memory (2k
+  int32 slots); then: between k and 2k of them (the usual case), the walk over those keys and the
+  kept positions written ascending; fewer than k, `bound` is the k-th largest key and one pass over
+  the row writes them; more than 2k (ties above the bound, or a bound left low by the early stop),
+  a walk that re-reads the row per step.
 - other rows of 1024 to 4095 entries (up to 2048 entries, or `2k > 1024`; any k)
   (`_stable_topk_whole_row_kernel`): the row held whole, walked, and the kept positions written
   from the registers.
@@ -246,8 +246,8 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
         # at least k keys reach `bound` (k maxima do) and fewer pass it: it is the k-th largest key
         _store_kept_streamed(row, out, offsets, n, k, bound, above_bound, MAXIMA)
     else:
-        # heavy ties above the bound: the walk re-reads the row for each step, from the common top
-        # bits of the smallest key above the bound and the largest
+        # more than 2k above the bound (ties, or a bound left low): the walk re-reads the row for
+        # each step, from the common top bits of the smallest key above the bound and the largest
         if bound + 1 == top:
             threshold = top
         else:
@@ -338,8 +338,9 @@ PREFILTER_MIN = 2049
 """Shortest row the prefilter takes. The whole-row kernel pads a row to a power of two, so rows of
 2049 to 4095 entries were walked as 4096 (32 keys per thread): on the H200 (8192 rows, k 512) the
 prefilter took them 1.2-1.8x faster, while at 1024 to 2048 entries the whole-row walk was as fast
-or faster (0.62-1.13x). Rows of 2049 entries have at most three per group maximum, so at most 3(k - 1)
-keys pass the bound: the few rows above 2k take the slower heavy-tie branch, with the same result."""
+or faster (0.62-1.13x). A group holds at most three entries of a row of up to 3072 entries, four
+up to 4095, and at most k + k/8 groups reach past the bound: rows with more than 2k keys above it
+take the slower branch that re-reads the row, with the same result."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""

@@ -14,7 +14,7 @@ from sa_kernels import indexer_score_tile, stable_topk
 from sa_kernels.stable_topk import stable_topk_workspace_bytes
 
 from .layouts import RegionMetadata, ScoreTile
-from .sparse_rows import write_sparse_rows
+from .tile_rows import write_tile_rows
 
 _LOW = 2**32
 _ID_FLIP = 2**31 - 1
@@ -31,9 +31,10 @@ is longer): adjacent scoring calls share one projection (fewer, larger launches)
 where a scoring call ends, so no row is projected twice (ending at a fixed row count re-projected
 26 % of the rows at 131 072 tokens)."""
 SCORE_ROW_ALIGN = 16
-"""Score rows are allocated with a stride that is a multiple of this many entries: the scoring
-kernel's stores and `stable_topk`'s loads are then vector ones (Triton specialises strides divisible
-by 16). On the H200 the top-k of 4096 rows of 8200 entries took 1.35x the time of 8192-entry rows."""
+"""Score rows are allocated with a stride that is a multiple of this many entries, so that
+`stable_topk`'s loads are vector ones (Triton specialises strides divisible by 16; the scoring
+kernels do not specialise theirs). On the H200 the top-k of 4096 rows of 8200 entries took 1.35x
+the time of 8192-entry rows."""
 
 
 def select_regions(
@@ -109,7 +110,7 @@ def select_regions_tiled(
     is asked only for rows that are scored, each row once, in spans of adjacent scoring calls of
     at most `project_rows` rows (or one longer call). On CUDA the projection's GEMM may depend on the
     span's row count, so scores (and ids, at FP32 near-ties) can change in the last bits with
-    `project_rows`.
+    `project_rows` and with `score_budget_bytes` (spans end where merged calls end).
 
     `_mark(stage)` (private, for the benchmark's per-stage timing) is called after each stage of the
     walk with the stage's name ("project_queries", "score", "topk", "merge")."""
@@ -141,19 +142,18 @@ def select_regions_tiled(
             if method == "composite":
                 kept = torch.sort(kept, dim=-1).values
             # a sparse row's kept ids ascend and are all below its current region: appending the
-            # current region keeps them ascending, no sort needed (other rows keep their dense ids)
+            # current region keeps them ascending, no sort needed (the call's other rows get their
+            # dense ids in the same write)
             current, sparse = metadata.current[b, q0:q1], metadata.sparse_queries[b, q0:q1]
             dense, fill = metadata.dense_region_ids[b, q0:q1], metadata.region_count
-            write_sparse_rows(
-                out, b, q0, kept, offset, current, sparse, dense, fill, backend=backend
-            )
+            write_tile_rows(out, b, q0, kept, offset, current, sparse, dense, fill, backend=backend)
             mark("merge")
     return out
 
 
 def _dense_outside(metadata: RegionMetadata, groups: int, calls: list[ScoreTile]) -> torch.Tensor:
     """The selection int32 [B, G, Q, topk + 1] with the dense ids written on the rows no scoring call
-    covers; `write_sparse_rows` writes the others (writing every row dense first and then the
+    covers; `write_tile_rows` writes the others (writing every row dense first and then the
     sparse rows again cost 0.77 ms of a 131 072-token forward on the H200)."""
     dense, count = metadata.dense_region_ids, metadata.region_count
     batch, queries = dense.shape[:2]
@@ -179,16 +179,15 @@ def _projection_spans(
 ) -> list[tuple[int, int, int, list[ScoreTile]]]:
     """`(batch, q0, q1, calls)`: runs of adjacent scoring calls of one batch row whose queries are
     projected together, at most `project_rows` rows unless a single call is longer."""
-    spans: list[tuple[int, int, int, list[ScoreTile]]] = []
+    spans: list[list] = []
     for call in calls:
         b, q0, q1, _, _ = call
-        if spans:
-            sb, s0, s1, joined = spans[-1]
-            if sb == b and s1 == q0 and q1 - s0 <= project_rows:
-                spans[-1] = (sb, s0, q1, [*joined, call])
-                continue
-        spans.append((b, q0, q1, [call]))
-    return spans
+        if spans and spans[-1][0] == b and spans[-1][2] == q0 and q1 - spans[-1][1] <= project_rows:
+            spans[-1][2] = q1
+            spans[-1][3].append(call)
+        else:
+            spans.append([b, q0, q1, [call]])
+    return [(b, q0, q1, joined) for b, q0, q1, joined in spans]
 
 
 def select_regions_dense(metadata: RegionMetadata, groups: int) -> torch.Tensor:
@@ -237,8 +236,11 @@ def _tile_topk(
         # no pass over the scores masks them (rows of non-sparse queries are discarded by the caller)
         bounds = (first - c0, current - c0) if method == "threshold" else None
         padded = -(-(c1 - c0) // SCORE_ROW_ALIGN) * SCORE_ROW_ALIGN
-        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        rows = query.new_empty((1, query.shape[2], q1 - q0, padded), dtype=dtype)
+        # float64 scores only where the reference scores float64 queries (the kernels refuse them)
+        wide = query.dtype == torch.float64 and (backend == "reference" or not query.is_cuda)
+        rows = query.new_empty(
+            (1, query.shape[2], q1 - q0, padded), dtype=torch.float64 if wide else torch.float32
+        )
         tile_scores = indexer_score_tile(
             query,
             weights,
@@ -311,10 +313,11 @@ def score_call_bytes(
     method: str, device: torch.device | str, region_chunk: int, topk: int
 ) -> Callable[[int, int], int]:
     """`call_bytes(rows, width)`: the temporary bytes of one scoring call of `rows` (query, group)
-    rows over `width` regions. Each chunk's FP32 scores, plus for "threshold" the workspace of
-    `stable_topk` (none on its GPU kernels) and, once a call spans several chunks, the running
-    candidates concatenated with the chunk (FP32 scores and int64 ids over `topk + chunk`
-    entries); for "composite" 20 bytes per entry (score, int64 key, concatenation)."""
+    rows over `width` regions. Each chunk's FP32 scores (rows padded to `SCORE_ROW_ALIGN`), plus
+    for "threshold" the workspace of `stable_topk` (none on its GPU kernels) and, once a call spans
+    several chunks, the running candidates concatenated with the chunk (FP32 scores and int64 ids
+    over `topk + chunk` entries); for "composite" 16 more bytes per entry (int64 key,
+    concatenation)."""
 
     # stable_topk's workspace per entry, at the longest rows of a single-chunk and of a later
     # chunk's call (it only grows with the row): asked once, not per tile
@@ -323,9 +326,10 @@ def score_call_bytes(
 
     def call_bytes(rows: int, width: int) -> int:
         chunk = min(width, region_chunk)
+        scores = rows * (-(-chunk // SCORE_ROW_ALIGN) * SCORE_ROW_ALIGN) * 4  # padded FP32 rows
         if method == "composite":
-            return rows * chunk * 20
-        one_chunk = rows * chunk * (4 + single)
+            return scores + rows * chunk * 16
+        one_chunk = scores + rows * chunk * single
         if width <= region_chunk:
             return one_chunk
         return one_chunk + rows * (topk + chunk) * (4 + 8 + running)

@@ -4,7 +4,7 @@ dense ids on the others.
 Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, relative to the tile's
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
 ops that is an add, a cast, a concatenation, a select and a copy over the tile (about 4.6 ms of a
-128k forward on the H200, 2026-11-30); the kernel (`sparse_rows_triton`, imported only where it
+128k forward on the H200, 2026-11-30); the kernel (`tile_rows_triton`, imported only where it
 runs) reads the positions once and writes int32 once.
 """
 
@@ -13,7 +13,7 @@ import torch
 from sa_kernels.backend import resolve_backend
 
 
-def write_sparse_rows(
+def write_tile_rows(
     out: torch.Tensor,
     batch_row: int,
     first_query: int,
@@ -44,12 +44,15 @@ def write_sparse_rows(
     if n == 0:
         return
     rows = out[batch_row, :, first_query : first_query + n]
-    if resolve_backend("write_sparse_rows", backend, out, kept, current, sparse) == "reference":
+    if (
+        resolve_backend("write_tile_rows", backend, out, kept, current, sparse, dense)
+        == "reference"
+    ):
         ids = (kept + offset).to(torch.int32)
         last = current.to(torch.int32).view(1, n, 1).expand(groups, n, 1)
         padded = torch.nn.functional.pad(dense, (0, topk + 1 - dense.shape[-1]), value=fill)
         rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), padded))
         return
-    from .sparse_rows_triton import write_sparse_rows_triton
+    from .tile_rows_triton import write_tile_rows_triton
 
-    write_sparse_rows_triton(rows, kept, offset, current, sparse, dense, fill)
+    write_tile_rows_triton(rows, kept, offset, current, sparse, dense, fill)

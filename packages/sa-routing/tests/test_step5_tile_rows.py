@@ -1,14 +1,17 @@
-"""write_sparse_rows: the Triton kernel (interpreted on CPU) against its PyTorch path."""
+"""write_tile_rows: the Triton kernel (interpreted on CPU) against its PyTorch path."""
 
 import pytest
 import torch
 
-from sa_routing.step5.sparse_rows import write_sparse_rows
+from sa_routing.step5.tile_rows import write_tile_rows
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["dense-ids-narrower", "dense-ids-full"])
 @pytest.mark.parametrize("offset", [0, 37])
 @pytest.mark.parametrize("topk", [1, 5, 8])
-def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(topk: int, offset: int) -> None:
+def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(
+    topk: int, offset: int, narrow: bool
+) -> None:
     gen = torch.Generator().manual_seed(topk + offset)
     groups, queries, n, q0 = 3, 20, 11, 6
     before = torch.randint(
@@ -20,13 +23,13 @@ def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(topk: int, offset
     current = torch.randint(300, 400, (n,), generator=gen)
     sparse = torch.rand(n, generator=gen) < 0.6
     sparse[0], sparse[-1] = True, False
-    width = max(1, topk - 2)  # dense ids narrower than the slots: the rest is the fill
+    width = max(1, topk - 2) if narrow else topk + 1  # narrower: the slots past it get the fill
     dense = torch.randint(0, 300, (queries, width), generator=gen, dtype=torch.int32)[q0 : q0 + n]
     fill = 999
     outs = {}
     for backend in ("reference", "triton"):
         out = before.clone()
-        write_sparse_rows(out, 1, q0, kept, offset, current, sparse, dense, fill, backend=backend)
+        write_tile_rows(out, 1, q0, kept, offset, current, sparse, dense, fill, backend=backend)
         outs[backend] = out
     assert torch.equal(outs["triton"], outs["reference"])
     out = outs["triton"]
@@ -45,5 +48,5 @@ def test_an_empty_tile_writes_nothing() -> None:
     empty = torch.empty(2, 0, 2, dtype=torch.int64)
     none = torch.empty(0, dtype=torch.int64)
     dense = torch.empty(0, 3, dtype=torch.int32)
-    write_sparse_rows(out, 0, 4, empty, 3, none, none.bool(), dense, 9, backend="triton")
+    write_tile_rows(out, 0, 4, empty, 3, none, none.bool(), dense, 9, backend="triton")
     assert not out.any()

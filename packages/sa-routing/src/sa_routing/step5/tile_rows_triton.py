@@ -1,11 +1,11 @@
-"""The Triton kernel of `write_sparse_rows`: one program per (group, row) of a tile."""
+"""The Triton kernel of `write_tile_rows`: one program per (group, row) of a tile."""
 
 import torch
 import triton
 import triton.language as tl
 
 
-def write_sparse_rows_triton(
+def write_tile_rows_triton(
     rows: torch.Tensor,
     kept: torch.Tensor,
     offset: int,
@@ -14,9 +14,9 @@ def write_sparse_rows_triton(
     dense: torch.Tensor,
     fill: int,
 ) -> None:
-    """rows: int32 [G, n, topk + 1] view of the selection; the other arguments as `write_sparse_rows`."""
+    """rows: int32 [G, n, topk + 1] view of the selection; the other arguments as `write_tile_rows`."""
     groups, n, topk = kept.shape
-    _write_sparse_rows_kernel[(groups * n,)](
+    _write_tile_rows_kernel[(groups * n,)](
         rows,
         kept,
         current,
@@ -37,7 +37,7 @@ def write_sparse_rows_triton(
 
 
 @triton.jit
-def _write_sparse_rows_kernel(
+def _write_tile_rows_kernel(
     rows_ptr,
     kept_ptr,
     current_ptr,
