@@ -340,6 +340,31 @@ def test_every_scored_row_is_projected_once_in_spans_of_whole_calls(project_rows
         select_regions_tiled(tile_inputs, 2, summary, m, project_rows=0)
 
 
+def test_layers_of_a_forward_reuse_the_scoring_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import sa_routing.step5.selection as selection
+
+    pos, pad = document_positions([30, 12, 40], 82)
+    m = region_metadata(pos[None], pad[None], 0, 82, region_size=2, topk=4, tile_size=8)
+    query, weights, summary = integer_inputs(1, 82, m.region_count, 2, 2, 16, spread=3)
+    planned: list[int] = []
+
+    def counting_merge(*args, **kwargs):
+        planned.append(1)
+        return _merge_tiles(*args, **kwargs)
+
+    monkeypatch.setattr(selection, "_merge_tiles", counting_merge)
+    oracle = reference_select_regions(query, weights, summary, pos[None], pad[None], 0, 2, 4)
+    for budget, plans in ((2**30, 1), (2**30, 1), (1, 2)):  # two layers, then other options
+        assert torch.equal(
+            select_regions(query, weights, summary, m, score_budget_bytes=budget), oracle
+        )
+        assert len(planned) == len(m.host_plans) == plans
+    # another metadata (a replaced field) plans afresh: it may have other tiles
+    assert dataclasses.replace(m, score_tiles=m.score_tiles[:1]).host_plans == {}
+
+
 def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:
     m = region_metadata(HAND_POS[None], HAND_PAD[None], 0, 14, region_size=2, topk=1)
     query, weights, summary = hand_inputs([1] * N)

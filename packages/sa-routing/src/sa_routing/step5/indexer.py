@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from sa_kernels import round_to_e4m3
+from sa_kernels import rms_norm_rope_e4m3
 
 from .config import Step5SparseConfig
 from .layouts import RegionMetadata, RegionSelection
@@ -83,12 +83,19 @@ class Step5SparseIndexer(nn.Module):
         activation dtype) and FP32 weights [B, S, G, H]."""
         self._check_hidden("project_queries", hidden, positions)
         cfg = self.config
-        query = self.q_proj(hidden).view(
-            *hidden.shape[:2], cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
+        batch, tokens = hidden.shape[:2]
+        groups, heads, dim = cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
+        cos, sin = self.rotary.cos_sin(positions)
+        query = rms_norm_rope_e4m3(
+            self.q_proj(hidden).view(batch * tokens, groups * heads, dim),
+            self.q_norm.weight,
+            self.q_norm.eps,
+            cos.view(batch * tokens, -1),
+            sin.view(batch * tokens, -1),
         )
-        query = self.rotary.rotate_(self.q_norm(query), positions)  # the norm's output is ours
         # E4M3 values are exact in BF16: the widening never rounds
-        return round_to_e4m3(query).to(torch.bfloat16), self.w_proj(hidden)
+        query = query.view(batch, tokens, groups, heads, dim).to(torch.bfloat16)
+        return query, self.w_proj(hidden)
 
     @torch.no_grad()
     def forward(

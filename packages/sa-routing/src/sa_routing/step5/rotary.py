@@ -6,6 +6,8 @@ import numbers
 import torch
 from torch import nn
 
+from sa_kernels.norm_rope_e4m3.reference import rotate_half_split_
+
 
 class Step5IndexerRotaryEmbedding(nn.Module):
     """Rotate pairs `(d, d + rope_dim/2)` of the first `rope_dim` dims by `position * theta**(-2d/rope_dim)`.
@@ -60,12 +62,15 @@ class Step5IndexerRotaryEmbedding(nn.Module):
             )
         if self.rope_dim == 0:
             return x
-        half = self.rope_dim // 2
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inverse_frequencies(x.device)
-        angles = angles.view(*positions.shape, *([1] * (x.dim() - 3)), half)
-        cos, sin = angles.cos(), angles.sin()
-        x1 = x[..., :half].float()
-        x2 = x[..., half : self.rope_dim].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x[..., : self.rope_dim] = rotated  # rounds to x's dtype, as a cast would
-        return x
+        cos, sin = self.cos_sin(positions)
+        middle = [1] * (x.dim() - 3)
+        return rotate_half_split_(
+            x, cos.view(*positions.shape, *middle, -1), sin.view(*positions.shape, *middle, -1)
+        )
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` of every position's angles: FP32 [*positions.shape, rope_dim / 2]."""
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inverse_frequencies(
+            positions.device
+        )
+        return angles.cos(), angles.sin()
