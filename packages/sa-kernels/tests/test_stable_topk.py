@@ -296,6 +296,66 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     return {name: rows_.to(device) for name, rows_ in kinds.items()}
 
 
+def _written_in_place(scores, k, offset, out_dtype, **options):
+    """stable_topk into slots [1, 1 + k) of rows of width k + 2 of a [G, Q + 2] selection-like
+    buffer filled with a sentinel: the call's rows are [G, 1:Q+1] (two strides that no single
+    stride can merge); returns the buffer."""
+    groups, queries, _ = scores.shape
+    buffer = torch.full((groups, queries + 2, k + 2), -7, dtype=out_dtype, device=scores.device)
+    out = buffer[:, 1 : queries + 1, 1 : k + 1]
+    assert stable_topk(scores, k, out=out, offset=offset, **options) is out
+    return buffer
+
+
+def _expected_in_place(scores, k, offset, out_dtype):
+    groups, queries, _ = scores.shape
+    buffer = torch.full((groups, queries + 2, k + 2), -7, dtype=out_dtype, device=scores.device)
+    buffer[:, 1 : queries + 1, 1 : k + 1] = reference.stable_topk(scores, k) + offset
+    return buffer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize(("n", "k"), [(40, 5), (5000, 7)], ids=["whole-row", "prefilter"])
+def test_out_and_offset_write_the_positions_in_place(n, k, out_dtype, backend):
+    scores = _tied_scores((3, 4, n), torch.float32, seed=n)
+    got = _written_in_place(scores, k, 1000, out_dtype, backend=backend)
+    assert torch.equal(got, _expected_in_place(scores, k, 1000, out_dtype))
+    # without out the offset is added too; a negative one as well
+    shifted = stable_topk(scores, k, offset=-3, backend=backend)
+    assert torch.equal(shifted, reference.stable_topk(scores, k) - 3)
+
+
+def test_out_is_checked_and_named():
+    scores = torch.randn(2, 3, 50)
+    good = torch.empty(2, 3, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out must be int32 or int64 of shape \(2, 3, 4\)"):
+        stable_topk(scores, 4, out=torch.empty(2, 3, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        stable_topk(scores, 4, out=good.float())
+    with pytest.raises(ValueError, match="out needs dim to be the last dim"):
+        stable_topk(scores, 2, dim=1, out=good)
+    with pytest.raises(ValueError, match="last-dim stride of 1"):
+        stable_topk(scores, 4, out=torch.empty(2, 3, 8, dtype=torch.int32)[..., ::2])
+    wide = torch.empty(2, 5, 3, 7, dtype=torch.int32)[:, ::2, :, :4]  # no two dims merge
+    with pytest.raises(ValueError, match="viewable as at most two dims"):
+        stable_topk(torch.randn(2, 3, 3, 50), 4, out=wide)
+    with pytest.raises(ValueError, match=r"offset and offset \+ n must lie in int32's range"):
+        stable_topk(scores, 4, out=good, offset=2**31 - 10)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        stable_topk(scores, 4, offset=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(16383, 512), (3000, 100), (2048, 512), (600, 9)])
+def test_cuda_out_and_offset_on_every_kernel(n, k):
+    # the Gluon prefilter and whole-row kernels (SM90), and Triton's whole-row walk (600 entries)
+    for name, rows in _row_kinds(48, n, k, "cuda").items():
+        scores = rows.view(4, 12, n)
+        got = _written_in_place(scores, k, 4096, torch.int32)
+        assert torch.equal(got, _expected_in_place(scores, k, 4096, torch.int32)), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(

@@ -6,11 +6,12 @@ import torch
 from sa_routing.step5.tile_rows import write_tile_rows
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["kept-given", "kept-in-place"])
 @pytest.mark.parametrize("narrow", [True, False], ids=["dense-ids-narrower", "dense-ids-full"])
 @pytest.mark.parametrize("offset", [0, 37])
 @pytest.mark.parametrize("topk", [1, 5, 8])
 def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(
-    topk: int, offset: int, narrow: bool
+    topk: int, offset: int, narrow: bool, in_place: bool
 ) -> None:
     gen = torch.Generator().manual_seed(topk + offset)
     groups, queries, n, q0 = 3, 20, 11, 6
@@ -29,7 +30,10 @@ def test_kernel_writes_the_tiles_rows_as_the_pytorch_path_does(
     outs = {}
     for backend in ("reference", "triton"):
         out = before.clone()
-        write_tile_rows(out, 1, q0, kept, offset, current, sparse, dense, fill, backend=backend)
+        if in_place:  # as stable_topk(out=..., offset=...) leaves them
+            out[1, :, q0 : q0 + n, :topk] = (kept + offset).int()
+        given = None if in_place else kept
+        write_tile_rows(out, 1, q0, given, offset, current, sparse, dense, fill, backend=backend)
         outs[backend] = out
     assert torch.equal(outs["triton"], outs["reference"])
     out = outs["triton"]
@@ -50,3 +54,24 @@ def test_an_empty_tile_writes_nothing() -> None:
     dense = torch.empty(0, 3, dtype=torch.int32)
     write_tile_rows(out, 0, 4, empty, 3, none, none.bool(), dense, 9, backend="triton")
     assert not out.any()
+
+
+def test_ids_in_place_over_several_row_blocks_and_slot_chunks() -> None:
+    # 300 rows: three blocks of the in-place kernel; 151 slots: two chunks of its dense copy
+    gen = torch.Generator().manual_seed(3)
+    groups, n, topk = 2, 300, 150
+    before = torch.randint(0, 10_000, (1, groups, n, topk + 1), generator=gen, dtype=torch.int32)
+    current = torch.randint(0, 10_000, (n,), generator=gen)
+    sparse = torch.rand(n, generator=gen) < 0.9
+    sparse[250:] = True  # the last block holds no dense row
+    dense = torch.randint(0, 10_000, (n, topk + 1), generator=gen, dtype=torch.int32)
+    outs = []
+    for backend in ("reference", "triton"):
+        out = before.clone()
+        write_tile_rows(out, 0, 0, None, 0, current, sparse, dense, -1, backend=backend)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    rows = outs[1][0]
+    assert torch.equal(rows[:, sparse, :topk], before[0][:, sparse, :topk])
+    assert torch.equal(rows[:, sparse, topk], current[sparse].int().expand(groups, -1))
+    assert torch.equal(rows[:, ~sparse], dense[~sparse].expand(groups, -1, -1))

@@ -41,7 +41,13 @@ def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device
 
 
 def stable_topk(
-    scores: torch.Tensor, k: int, dim: int = -1, *, backend: str = "auto"
+    scores: torch.Tensor,
+    k: int,
+    dim: int = -1,
+    *,
+    out: torch.Tensor | None = None,
+    offset: int = 0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Positions of the `k` best entries along `dim`, ties broken towards the lower position.
 
@@ -68,14 +74,21 @@ def stable_topk(
             makes the result unspecified); `n = scores.shape[dim] < 2**30`.
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
+        out: int32 or int64 [..., k] (`scores`' shape with `k` along the last dim, which `dim` must
+            be), last-dim stride 1, its other dims viewable as at most two with any strides, not
+            overlapping `scores`; written in place (e.g. the first slots of a larger row), or None.
+        offset: int added to every position written (e.g. the first id of a chunk of candidates);
+            `offset` and `offset + n` must lie in int32's range.
         backend: "auto", "triton" (on CPU through `TRITON_INTERPRET=1`) or "reference".
     Returns:
-        int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen positions along `dim`,
-        in ascending order.
+        `out`, or a new int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen
+        positions along `dim` plus `offset`, in ascending order.
     Raises:
         TypeError: scores is not a floating-point tensor; k or dim is not an int.
         ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
-            float64 tensor or rows longer than 32768.
+            float64 tensor or rows longer than 32768; `out` of another shape, dtype or device, with
+            a last-dim stride other than 1 or more than two other dims that cannot be merged, or
+            with `dim` not the last; `offset + n` beyond int32.
         RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
@@ -95,6 +108,13 @@ def stable_topk(
         raise ValueError(f"{fn}: k must lie in [0, {n}] (scores.shape[{dim}]); got {k}")
     if n >= _TIE_BASE:
         raise ValueError(f"{fn}: scores.shape[{dim}] must be < 2**30; got {n}")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"{fn}: offset must be an int; got {type(offset).__name__}")
+    if not _INT32_MIN <= offset <= _INT32_MAX - n:  # the kernels add it in int32
+        raise ValueError(
+            f"{fn}: offset and offset + n must lie in int32's range; got offset {offset}, n {n}"
+        )
+    addressing = None if out is None else _out_rows(fn, out, scores, dim, k)
     resolved = resolve_backend(fn, backend, scores)
     use_triton = _runs_kernel(resolved, scores.dtype, n)
     if backend == "triton" and not use_triton:
@@ -105,6 +125,8 @@ def stable_topk(
     with torch.no_grad():
         last = scores.detach().movedim(dim, -1)
         if k == 0:
+            if out is not None:
+                return out
             shape = (*last.shape[:-1], 0)
             return torch.empty(shape, dtype=torch.int64, device=scores.device).movedim(-1, dim)
         if use_triton:
@@ -115,8 +137,47 @@ def stable_topk(
                 from .gluon_kernels import stable_topk_rows
             else:
                 from .triton_kernels import stable_topk_rows
-            return stable_topk_rows(rows, k).view(*last.shape[:-1], k).movedim(-1, dim)
-        return _threshold_topk(last, k).movedim(-1, dim)
+            chosen = stable_topk_rows(rows, k, out=out, addressing=addressing, offset=offset)
+            return out if out is not None else chosen.view(*last.shape[:-1], k).movedim(-1, dim)
+        chosen = _threshold_topk(last, k)
+        if out is not None:
+            out.copy_(chosen + offset)
+            return out
+        return (chosen + offset if offset else chosen).movedim(-1, dim)
+
+
+def _out_rows(fn: str, out: object, scores: torch.Tensor, dim: int, k: int) -> tuple[int, int, int]:
+    """Check `out`; where the kernels write row r of the flattened rows: `(inner, stride_outer,
+    stride_inner)`, row r at `(r // inner) * stride_outer + (r % inner) * stride_inner`. The dims
+    are merged from the strides (no trial views: a failed `view` raises, which costs about 0.1 ms
+    of host time per call)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{fn}: out must be a tensor or None; got {type(out).__name__}")
+    if dim % scores.dim() != scores.dim() - 1:
+        raise ValueError(f"{fn}: out needs dim to be the last dim; got dim={dim}")
+    shape = (*scores.shape[:-1], k)
+    if tuple(out.shape) != shape or out.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{fn}: out must be int32 or int64 of shape {shape}; got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.device != scores.device:
+        raise ValueError(f"{fn}: out must be on scores' device {scores.device}; got {out.device}")
+    if k > 0 and out.stride(-1) != 1:
+        raise ValueError(f"{fn}: out must have a last-dim stride of 1; got {out.stride(-1)}")
+    merged: list[list[int]] = []  # [size, stride] of the leading dims, adjacent ones merged
+    for size, stride in zip(out.shape[:-1], out.stride()[:-1], strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == size * stride:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > 2:
+        raise ValueError(
+            f"{fn}: out's leading dims must be viewable as at most two dims; got strides {out.stride()}"
+        )
+    (_, stride_outer), (inner, stride_inner) = [[1, 0]] * (2 - len(merged)) + merged
+    return inner, stride_outer, stride_inner
 
 
 def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:

@@ -15,8 +15,9 @@ Two kernels, one program per row:
   default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
   mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); a
   `bound` that at least k maxima reach (a bit-by-bit walk, stopped once at most k + k/8 do); the
-  positions of the keys above `bound` compacted in position order into the output row's memory (2k
-  int32 slots); then: between k and 2k of them (the usual case), the walk over those keys and the
+  positions of the keys above `bound` compacted in position order into 2k int32 slots (the int64
+  output row's own memory, or scratch where the caller gives the output); then: between k and 2k
+  of them (the usual case), the walk over those keys and the
   kept positions written ascending; fewer than k, `bound` is the k-th largest key and one pass over
   the row writes them; more than 2k (ties above the bound, or a bound left low by the early stop),
   a walk that re-reads the row per step.
@@ -38,6 +39,7 @@ from triton.experimental.gluon import language as gl
 from sa_kernels.backend import sm_count
 from sa_kernels.gluon_compat import cta_barrier
 from sa_kernels.stable_topk import TRITON_MAX_ROW
+from sa_kernels.stable_topk.triton_kernels import output_rows
 
 MAXIMA = 1024
 """Strided groups whose maxima give the bound; also the survivors' capacity (at least 2k)."""
@@ -157,7 +159,9 @@ def _count_reaching(row, offsets, n, candidate, CHUNK: gl.constexpr):
 
 
 @gluon.jit
-def _store_kept_streamed(row, out, offsets, n, k, threshold, above_total, CHUNK: gl.constexpr):
+def _store_kept_streamed(
+    row, out, offset, offsets, n, k, threshold, above_total, CHUNK: gl.constexpr
+):
     """Re-read the row and store, ascending, the positions of its keys above `threshold` and of the
     first `k - above_total` keys equal to it."""
     still_needed = k - above_total
@@ -172,7 +176,8 @@ def _store_kept_streamed(row, out, offsets, n, k, threshold, above_total, CHUNK:
             gl.int32
         )
         kept_prefix, kept_total = _exclusive_prefix(kept)
-        gl.store(out + kept_seen + kept_prefix, positions.to(gl.int64), mask=kept != 0)
+        ids = (positions + offset).to(out.dtype.element_ty)
+        gl.store(out + kept_seen + kept_prefix, ids, mask=kept != 0)
         tied_seen += tied_total
         kept_seen += kept_total
 
@@ -189,7 +194,7 @@ def _compact_above(slots, positions, scores, bound_score, above_bound, k):
 
 
 @gluon.jit
-def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
+def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr):
     """`stable_topk` of one row (see the module docstring). Chunks of MAXIMA entries; the full ones
     are read without bounds checks, the last partial one with them."""
     full = n - n % MAXIMA
@@ -209,8 +214,9 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
     )
     top = gl.max(gl.max(gl.max(maxima_keys, axis=2), axis=1), axis=0)  # the row's largest key
 
-    # The positions of the keys above `bound` (at least k reach it), in position order, into the
-    # output row's memory read as 2k int32 slots; the count goes on past them. `key > bound` is
+    # The positions of the keys above `bound` (at least k reach it), in position order, into 2k
+    # int32 slots (the int64 output row's own memory unless the caller gave an output); the count
+    # goes on past them. `key > bound` is
     # `score > bound_score` (no NaN, zeros folded).
     bound_score = _score_of(bound)
     above_bound = gl.zeros([], gl.int32)
@@ -241,10 +247,10 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
         tied_before, _ = _exclusive_prefix(tied)
         kept = ((above != 0) | ((tied != 0) & (tied_before < k - _total(above)))).to(gl.int32)
         slot, _ = _exclusive_prefix(kept)
-        gl.store(out + slot, positions.to(gl.int64), mask=kept != 0)
+        gl.store(out + slot, (positions + offset).to(out.dtype.element_ty), mask=kept != 0)
     elif above_bound < k:
         # at least k keys reach `bound` (k maxima do) and fewer pass it: it is the k-th largest key
-        _store_kept_streamed(row, out, offsets, n, k, bound, above_bound, MAXIMA)
+        _store_kept_streamed(row, out, offset, offsets, n, k, bound, above_bound, MAXIMA)
     else:
         # more than 2k above the bound (ties, or a bound left low): the walk re-reads the row for
         # each step, from the common top bits of the smallest key above the bound and the largest
@@ -261,11 +267,11 @@ def _prefilter_row(row, out, slots, offsets, n, k, MAXIMA: gl.constexpr):
                 searching = (shift >= 0) & (reaching != k)
             threshold = prefix
         above_threshold = _count_reaching(row, offsets, n, threshold + 1, MAXIMA)
-        _store_kept_streamed(row, out, offsets, n, k, threshold, above_threshold, MAXIMA)
+        _store_kept_streamed(row, out, offset, offsets, n, k, threshold, above_threshold, MAXIMA)
 
 
 @gluon.jit
-def _whole_row(row, out, offsets, n, k):
+def _whole_row(row, out, offset, offsets, n, k):
     """`stable_topk` of a row held whole (offsets [WARPS, 32, RUN] cover it): the walk over every key,
     then the kept positions, ascending."""
     keys = _chunk_keys(row, offsets, n)
@@ -275,7 +281,7 @@ def _whole_row(row, out, offsets, n, k):
     tied_before, _ = _exclusive_prefix(tied)
     kept = ((above != 0) | ((tied != 0) & (tied_before < k - _total(above)))).to(gl.int32)
     slot, _ = _exclusive_prefix(kept)
-    gl.store(out + slot, offsets.to(gl.int64), mask=kept != 0)
+    gl.store(out + slot, (offsets + offset).to(out.dtype.element_ty), mask=kept != 0)
 
 
 @gluon.jit
@@ -290,22 +296,39 @@ def _chunk_offsets(RUN: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner):
+    """Row `row64`'s output row: `(row // out_inner, row % out_inner)` of an output addressed by two
+    strides (a [rows, k] output has one outer row)."""
+    return (
+        out_ptr + (row64 // out_inner) * out_stride_outer + (row64 % out_inner) * out_stride_inner
+    )
+
+
+_ADDRESSING = ["out_inner", "out_stride_outer", "out_stride_inner", "offset"]
+"""Arguments that vary per call (not specialised: one compiled kernel serves every call)."""
+
+
+@gluon.jit(do_not_specialize=_ADDRESSING)
 def _stable_topk_whole_row_kernel(
     scores_ptr,
     out_ptr,
     n,
     k,
     stride_row,
-    stride_out,
+    out_inner,
+    out_stride_outer,
+    out_stride_inner,
+    offset,
     RUN: gl.constexpr,
     WARPS: gl.constexpr,
 ):
     offsets = _chunk_offsets(RUN, WARPS)
     row64 = gl.program_id(0).to(gl.int64)
-    _whole_row(scores_ptr + row64 * stride_row, out_ptr + row64 * stride_out, offsets, n, k)
+    out = _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner)
+    _whole_row(scores_ptr + row64 * stride_row, out, offset, offsets, n, k)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=[*_ADDRESSING, "slot_stride"])
 def _stable_topk_prefilter_kernel(
     scores_ptr,
     out_ptr,
@@ -314,7 +337,11 @@ def _stable_topk_prefilter_kernel(
     n,
     k,
     stride_row,
-    stride_out,
+    out_inner,
+    out_stride_outer,
+    out_stride_inner,
+    slot_stride,
+    offset,
     MAXIMA: gl.constexpr,
     RUN: gl.constexpr,
     WARPS: gl.constexpr,
@@ -325,8 +352,9 @@ def _stable_topk_prefilter_kernel(
         row64 = row_id.to(gl.int64)
         _prefilter_row(
             scores_ptr + row64 * stride_row,
-            out_ptr + row64 * stride_out,
-            slots_ptr + row64 * (2 * stride_out),
+            _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner),
+            offset,
+            slots_ptr + row64 * slot_stride,
             offsets,
             n,
             k,
@@ -363,15 +391,21 @@ def stable_topk_rows(
     programs_per_sm: int | None = PROGRAMS_PER_SM,
     whole_row_warps: int = WHOLE_ROW_WARPS,
     prefilter_warps: int = WARPS,
+    *,
+    out: torch.Tensor | None = None,
+    addressing: tuple[int, int, int] | None = None,
+    offset: int = 0,
 ):
     """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
 
-    scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. Returns int64
-    [rows, k], ascending positions per row. `programs_per_sm`: programs per SM, each looping over
-    rows (None: one program per row); `whole_row_warps`, `prefilter_warps`: warps per row of the
-    two kernels (the sweep's knobs; the results do not change)."""
+    scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. `out`,
+    `addressing`, `offset`:
+    as `triton_kernels.stable_topk_rows` (None: a new int64 [rows, k]); returns it, ascending
+    positions (+ offset) per row. `programs_per_sm`: programs per SM, each looping over rows (None:
+    one program per row); `whole_row_warps`, `prefilter_warps`: warps per row of the two kernels
+    (the sweep's knobs; the results do not change)."""
     rows, n = scores.shape
-    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device)
     if rows == 0:
         return out
     if n < PREFILTER_MIN or 2 * k > MAXIMA:  # held whole: RUN adjacent entries per thread cover it
@@ -383,7 +417,8 @@ def stable_topk_rows(
             n,
             k,
             scores.stride(0),
-            out.stride(0),
+            *addressing[:3],  # no slots: the row is walked in registers
+            offset,
             RUN=block // (32 * warps),
             WARPS=warps,
             num_warps=warps,
@@ -397,12 +432,13 @@ def stable_topk_rows(
     _stable_topk_prefilter_kernel[(programs,)](
         scores,
         out,
-        out.view(torch.int32),
+        slots,
         rows,
         n,
         k,
         scores.stride(0),
-        out.stride(0),
+        *addressing,
+        offset,
         MAXIMA=MAXIMA,
         RUN=MAXIMA // (32 * prefilter_warps),
         WARPS=prefilter_warps,

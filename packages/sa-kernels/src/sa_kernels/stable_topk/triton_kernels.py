@@ -66,7 +66,9 @@ def _load_scores(scores_ptr, offsets, n):
 
 
 @triton.jit
-def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: tl.constexpr):
+def _store_kept_tiles(
+    row_scores, row_out, offset, n, k, threshold, above_total, TILE: tl.constexpr
+):
     """`_store_kept_rows` of one row re-read in tiles, the counts carried between tiles; `above_total` is
     the number of keys above `threshold` in the whole row."""
     still_needed = k - above_total
@@ -80,7 +82,7 @@ def _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, TILE: t
         tied_before = tied_seen + tl.cumsum(tied, axis=0) - tied
         kept = above | ((tied != 0) & (tied_before < still_needed))
         slot = kept_seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.store(row_out + slot, tile.to(tl.int64), mask=kept)
+        tl.store(row_out + slot, (tile + offset).to(row_out.dtype.element_ty), mask=kept)
         tied_seen += tl.sum(tied, axis=0)
         kept_seen += tl.sum(kept.to(tl.int32), axis=0)
 
@@ -101,7 +103,7 @@ def _kth_key(keys, k):
 
 
 @triton.jit
-def _store_kept(keys, positions, threshold, k, row_out):
+def _store_kept(keys, positions, threshold, k, row_out, offset):
     """`_store_kept_rows` of one row held as keys/positions [N]."""
     still_needed = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
     above = keys > threshold
@@ -109,20 +111,20 @@ def _store_kept(keys, positions, threshold, k, row_out):
     tied_before = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)
     kept = above | (tied & (tied_before < still_needed))
     slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-    tl.store(row_out + slot, positions.to(tl.int64), mask=kept)
+    tl.store(row_out + slot, (positions + offset).to(row_out.dtype.element_ty), mask=kept)
 
 
 @triton.jit
-def _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE: tl.constexpr):
+def _whole_row_topk(keys, offsets, row_scores, row_out, offset, n, k, OUTPUT_TILE: tl.constexpr):
     """The row held in registers (keys, offsets [N]): walk it, then store the kept positions. 1-D
     helpers here: the [1, N] forms of the row-vectorised ones took 15.3 ms instead of 0.112 for 8192
     rows of 2048 entries (k 64) on the H200 (2026-11-30 00:56 UTC)."""
     threshold = _kth_key(keys, k)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
-        _store_kept(keys, offsets, threshold, k, row_out)
+        _store_kept(keys, offsets, threshold, k, row_out, offset)
     else:  # re-read the row in tiles, carrying the counts: fewer live registers than whole-row sums
         above_total = tl.sum((keys > threshold).to(tl.int32), axis=0)
-        _store_kept_tiles(row_scores, row_out, n, k, threshold, above_total, OUTPUT_TILE)
+        _store_kept_tiles(row_scores, row_out, offset, n, k, threshold, above_total, OUTPUT_TILE)
 
 
 @triton.jit
@@ -136,7 +138,7 @@ def _count_above(row_scores, n, bound, TILE: tl.constexpr):
 
 
 @triton.jit
-def _streamed_topk(row_scores, row_out, n, k, TILE: tl.constexpr):
+def _streamed_topk(row_scores, row_out, offset, n, k, TILE: tl.constexpr):
     """The whole-row walk without holding the row: each step re-reads it in tiles from the cache. For
     rows the prefilter cannot narrow (heavy ties): slow, but it keeps the common path's registers low."""
     prefix = tl.zeros([], dtype=tl.uint32)
@@ -151,7 +153,7 @@ def _streamed_topk(row_scores, row_out, n, k, TILE: tl.constexpr):
         shift -= 1
         searching = (shift >= 0) & (reaching != k)
     above_total = _count_above(row_scores, n, prefix, TILE)
-    _store_kept_tiles(row_scores, row_out, n, k, prefix, above_total, TILE)
+    _store_kept_tiles(row_scores, row_out, offset, n, k, prefix, above_total, TILE)
 
 
 @triton.jit
@@ -179,7 +181,7 @@ def _kth_key_rows(keys, k, active):
 
 
 @triton.jit
-def _store_kept_rows(keys, positions, threshold, k, rows_out, rows_ok):
+def _store_kept_rows(keys, positions, threshold, k, rows_out, offset, rows_ok):
     """Store, ascending, the positions of the keys above `threshold` and of the first keys equal to it,
     k in all, for each row of keys/positions [ROWS, N] (in position order) whose `rows_ok` holds;
     threshold [ROWS], rows_out [ROWS] pointers."""
@@ -189,7 +191,15 @@ def _store_kept_rows(keys, positions, threshold, k, rows_out, rows_ok):
     tied_before = tl.cumsum(tied, axis=1) - tied
     kept = above | ((tied != 0) & (tied_before < still_needed[:, None]))
     slot = tl.cumsum(kept.to(tl.int32), axis=1) - 1
-    tl.store(rows_out[:, None] + slot, positions.to(tl.int64), mask=kept & rows_ok[:, None])
+    kept_ids = (positions + offset).to(rows_out.dtype.element_ty)
+    tl.store(rows_out[:, None] + slot, kept_ids, mask=kept & rows_ok[:, None])
+
+
+@triton.jit
+def _out_rows(out_ptr, row, out_inner, out_stride_outer, out_stride_inner):
+    """The output rows of rows `row` (int64): row r is `(r // out_inner, r % out_inner)` of an
+    output addressed by two strides (a [rows, k] output has one outer row)."""
+    return out_ptr + (row // out_inner) * out_stride_outer + (row % out_inner) * out_stride_inner
 
 
 @triton.jit
@@ -201,7 +211,11 @@ def _prefiltered_rows(
     n,
     k,
     stride_row,
-    stride_out,
+    out_inner,
+    out_stride_outer,
+    out_stride_inner,
+    slot_stride,
+    offset,
     ROWS: tl.constexpr,
     MAXIMA: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -215,8 +229,8 @@ def _prefiltered_rows(
     rows_ok = row < n_rows
     row = tl.where(rows_ok, row, first_row)  # past the last row: re-read the first, store nothing
     rows_scores = scores_ptr + row * stride_row
-    rows_out = out_ptr + row * stride_out
-    rows_slots = slots_ptr + row * (2 * stride_out)
+    rows_out = _out_rows(out_ptr, row, out_inner, out_stride_outer, out_stride_inner)
+    rows_slots = slots_ptr + row * slot_stride
     # group j = positions j, j + MAXIMA, ...: strided, so clustered high scores spread over groups.
     # Maxima of the scores, then their keys: the same keys as the maxima of the keys (the order is
     # the same, and a -0.0 maximum folds into +0.0's key). Every group holds real scores: the launch
@@ -229,7 +243,8 @@ def _prefiltered_rows(
         maxima = tl.maximum(maxima, chunk_max)
     bound = _kth_key_rows(_keys_of(maxima), k, rows_ok)
     # At least k keys reach `bound` (k group maxima do). The keys above it are compacted in position
-    # order into the row's output memory, read as 2k int32 slots; stores past the slots are dropped
+    # order into the row's 2k int32 slots (the int64 output row's own memory unless the caller
+    # gave an output); stores past the slots are dropped
     # and the count says so. `key > bound` is `score > bound_score` (no NaN, zeros folded).
     bound_score = _score_of(bound)
     above_bound = tl.zeros([ROWS], dtype=tl.int32)
@@ -252,7 +267,7 @@ def _prefiltered_rows(
         narrow_keys = tl.where(present, _order_keys(rows_scores[:, None], positions, n), 0)
         threshold = _kth_key_rows(narrow_keys, k, narrow)
         tl.debug_barrier()  # every slot is read before the output overwrites it
-        _store_kept_rows(narrow_keys, positions, threshold, k, rows_out, narrow)
+        _store_kept_rows(narrow_keys, positions, threshold, k, rows_out, offset, narrow)
     if tl.max((~narrow & rows_ok).to(tl.int32), axis=0) > 0:
         lane = tl.arange(0, ROWS)
         for i in range(ROWS):  # a runtime loop: one copy of the one-row paths, not ROWS
@@ -260,17 +275,19 @@ def _prefiltered_rows(
             above_i = tl.sum(tl.where(lane == i, above_bound, 0), axis=0)
             if (row_i < n_rows) & ((above_i < k) | (above_i > 2 * k)):
                 row_scores = scores_ptr + row_i * stride_row
-                row_out = out_ptr + row_i * stride_out
+                row_out = _out_rows(out_ptr, row_i, out_inner, out_stride_outer, out_stride_inner)
                 if above_i < k:
                     # Fewer than k keys above it and at least k reaching it: `bound` is the k-th
                     # largest key itself (a heavily tied value, e.g. relu-weighted scores at 0).
                     bound_i = tl.max(tl.where(lane == i, bound, 0), axis=0)
-                    _store_kept_tiles(row_scores, row_out, n, k, bound_i, above_i, CHUNK)
+                    _store_kept_tiles(row_scores, row_out, offset, n, k, bound_i, above_i, CHUNK)
                 else:  # heavy ties above the bound: the walk re-reads the row
-                    _streamed_topk(row_scores, row_out, n, k, CHUNK)
+                    _streamed_topk(row_scores, row_out, offset, n, k, CHUNK)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["out_inner", "out_stride_outer", "out_stride_inner", "slot_stride", "offset"]
+)
 def _stable_topk_kernel(
     scores_ptr,
     out_ptr,
@@ -279,7 +296,11 @@ def _stable_topk_kernel(
     n,
     k,
     stride_row,
-    stride_out,
+    out_inner,
+    out_stride_outer,
+    out_stride_inner,
+    slot_stride,
+    offset,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     OUTPUT_TILE: tl.constexpr,
@@ -296,7 +317,11 @@ def _stable_topk_kernel(
             n,
             k,
             stride_row,
-            stride_out,
+            out_inner,
+            out_stride_outer,
+            out_stride_inner,
+            slot_stride,
+            offset,
             ROWS,
             MAXIMA,
             CHUNK,
@@ -305,10 +330,10 @@ def _stable_topk_kernel(
     else:
         row = tl.program_id(0).to(tl.int64)
         row_scores = scores_ptr + row * stride_row
-        row_out = out_ptr + row * stride_out
+        row_out = _out_rows(out_ptr, row, out_inner, out_stride_outer, out_stride_inner)
         offsets = tl.arange(0, BLOCK_N)
         keys = _order_keys(row_scores, offsets, n)
-        _whole_row_topk(keys, offsets, row_scores, row_out, n, k, OUTPUT_TILE)
+        _whole_row_topk(keys, offsets, row_scores, row_out, offset, n, k, OUTPUT_TILE)
 
 
 # Entries the prefilter reads per step (at least MAXIMA): 8 per thread at 4 warps.
@@ -379,19 +404,47 @@ def _prefilter_maxima(config: LaunchConfig, block: int, k: int) -> int:
     return maxima if maxima > 0 and block >= 4 * maxima and 2 * k <= maxima else 0
 
 
+def output_rows(
+    out: torch.Tensor | None,
+    addressing: tuple[int, int, int] | None,
+    rows: int,
+    k: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """Where the kernels write: `(out, slots, (out_inner, out_stride_outer, out_stride_inner,
+    slot_stride))`. No `out`: a new int64 [rows, k], whose rows double as the prefilter's 2k int32
+    slots. `out` (int32 or int64, last-dim stride 1) with `addressing = (inner, stride_outer,
+    stride_inner)`: row r goes to `(r // inner) * stride_outer + (r % inner) * stride_inner`, and
+    the slots get their own int32 [rows, 2k]."""
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int64, device=device)
+        return out, out.view(torch.int32), (max(rows, 1), 0, k, 2 * k)
+    assert addressing is not None
+    slots = torch.empty(rows, 2 * k, dtype=torch.int32, device=device)
+    return out, slots, (*addressing, 2 * k)
+
+
 def stable_topk_rows(
-    scores: torch.Tensor, k: int, *, _config: LaunchConfig | None = None
+    scores: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    addressing: tuple[int, int, int] | None = None,
+    offset: int = 0,
+    _config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """`stable_topk` of every row of `scores` (no validation: internal).
 
     Args:
         scores: [rows, n] float32/bfloat16/float16, last-dim stride 1, `1 <= k <= n <= TRITON_MAX_ROW`.
+        out, addressing: where to write (`output_rows`), or None for a new int64 [rows, k].
+        offset: added to every position written.
         _config: override the launch (benchmark sweeps; the result does not change).
     Returns:
-        int64 [rows, k], ascending positions per row.
+        `out`, or the new int64 [rows, k]: ascending positions (+ offset) per row.
     """
     rows, n = scores.shape
-    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device)
     if rows == 0:
         return out
     block = max(16, triton.next_power_of_2(n))
@@ -401,12 +454,13 @@ def stable_topk_rows(
     _stable_topk_kernel[(triton.cdiv(rows, per_program),)](
         scores,
         out,
-        out.view(torch.int32),
+        slots,
         rows,
         n,
         k,
         scores.stride(0),
-        out.stride(0),
+        *addressing,
+        offset,
         BLOCK_N=block,
         ROWS=per_program,
         OUTPUT_TILE=min(config.output_tile, block),

@@ -145,8 +145,9 @@ def select_regions_tiled(
                 method,
                 backend,
                 mark,
+                out[b, :, q0:q1, : metadata.topk],
             )
-            if method == "composite":
+            if method == "composite" and kept is not None:
                 kept = torch.sort(kept, dim=-1).values
             # a sparse row's kept ids ascend and are all below its current region: appending the
             # current region keeps them ascending, no sort needed (the call's other rows get their
@@ -217,11 +218,14 @@ def _tile_topk(
     method: str,
     backend: str,
     mark: Callable[[str], None] = _no_mark,
-) -> tuple[torch.Tensor, int]:
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, int]:
     """Running top-k over region chunks of one tile: `(kept, offset)`, where `kept + offset` are the
     int64 [G, q1 - q0, topk] region ids, ascending for method "threshold" (`stable_topk` returns
     ascending positions and the candidates' ids ascend with their position), in any order for
     "composite". `offset` is the chunk's first region when `kept` holds its positions, else 0.
+    `kept` is None where a one-chunk "threshold" tile's ids went straight into `out` (int32
+    [G, q1 - q0, topk], the selection's rows), which saves writing and re-reading them as int64.
 
     query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch
     row. Ids of rows that are not sparse are meaningless (the caller discards them).
@@ -281,6 +285,10 @@ def _tile_topk(
             continue
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
+        if ids.dim() == 1 and c1 == r1 and out is not None:  # one chunk: its ids are the result
+            stable_topk(scores, topk, out=out, offset=c0)
+            mark("topk")
+            return None, 0
         chosen = stable_topk(scores, topk)
         # 1-D ids are this chunk's regions, c0 + position; on the last chunk the positions are kept
         # and c0 is added when they are written, a later chunk needs the ids themselves

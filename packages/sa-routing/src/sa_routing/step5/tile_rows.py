@@ -5,7 +5,9 @@ Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, re
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
 ops that is an add, a cast, a concatenation, a select and a copy over the tile (about 4.6 ms of a
 128k forward on the H200, 2026-11-30); the kernel (`tile_rows_triton`, imported only where it
-runs) reads the positions once and writes int32 once.
+runs) reads the positions once and writes int32 once. Where `stable_topk` already wrote a
+call's kept ids into the selection (`kept=None`), only the current regions and the dense rows are
+left to write.
 """
 
 import torch
@@ -17,7 +19,7 @@ def write_tile_rows(
     out: torch.Tensor,
     batch_row: int,
     first_query: int,
-    kept: torch.Tensor,
+    kept: torch.Tensor | None,
     offset: int,
     current: torch.Tensor,
     sparse: torch.Tensor,
@@ -27,28 +29,29 @@ def write_tile_rows(
     backend: str = "auto",
 ) -> None:
     """`out[batch_row, g, first_query + i] = [kept[g, i] + offset..., current[i]]` where `sparse[i]`,
-    else `dense[i]` padded with `fill` (every group alike).
+    else `dense[i]` padded with `fill` (every group alike). With `kept=None` the sparse rows' first
+    `topk` slots already hold their ids and only their last slot is written.
 
     Args:
         out: int32 [B, G, Q, topk + 1], the selection; the tile's rows are written in place.
         batch_row, first_query: where the tile's rows start in `out`.
-        kept: int64 [G, n, topk] kept positions of the tile's rows (any strides).
-        offset: added to every kept position (the region chunk's first region).
+        kept: int64 [G, n, topk] kept positions of the tile's rows (any strides), or None: already
+            in place.
+        offset: added to every kept position (the region chunk's first region); unused with None.
         current: int64 [n], each row's current region (its last slot).
         sparse: bool [n], the rows that take `kept`.
         dense: int32 [n, w], w <= topk + 1: the ids of the other rows (`dense_region_ids`).
         fill: the slots of those rows past w (the unused sentinel, `region_count`).
         backend: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "reference".
     """
-    groups, n, topk = kept.shape
+    n = current.shape[0]
     if n == 0:
         return
     rows = out[batch_row, :, first_query : first_query + n]
-    if (
-        resolve_backend("write_tile_rows", backend, out, kept, current, sparse, dense)
-        == "reference"
-    ):
-        ids = (kept + offset).to(torch.int32)
+    groups, _, topk = rows.shape[0], n, rows.shape[-1] - 1
+    tensors = (out, current, sparse, dense) if kept is None else (out, kept, current, sparse, dense)
+    if resolve_backend("write_tile_rows", backend, *tensors) == "reference":
+        ids = rows[..., :topk] if kept is None else (kept + offset).to(torch.int32)
         last = current.to(torch.int32).view(1, n, 1).expand(groups, n, 1)
         padded = torch.nn.functional.pad(dense, (0, topk + 1 - dense.shape[-1]), value=fill)
         rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), padded))
