@@ -1,13 +1,16 @@
 """`region_metadata`: documents, regions, dense selections and score tiles, once per forward.
 
-Every tensor is derived on the device with cumulative sums and scatters; everything the host must
-know (region count, tile bounds, varlen segment counts, validation flags) comes back in a single
-`tolist()` — the one host synchronisation of the forward.
+Every tensor is derived on the device, by PyTorch ops (`_TorchMetadata`, here) or by Triton kernels
+on CUDA (`metadata_triton`); everything the host must know (region count, tile bounds, varlen
+segment counts, validation flags) comes back in a single `tolist()`, the one host synchronisation
+of the forward.
 """
 
 import math
 
 import torch
+
+from sa_kernels.backend import resolve_backend
 
 from .layouts import CausalDocumentLayout, RegionMetadata, ScoreTile, SummaryRange
 
@@ -25,6 +28,7 @@ def region_metadata(
     *,
     require_varlen_layout: bool = False,
     tile_size: int = MAX_TILE_QUERIES,
+    backend: str = "auto",
 ) -> RegionMetadata:
     """Build the Step-5 routing metadata of one forward (SEMANTICS §1.3).
 
@@ -44,10 +48,13 @@ def region_metadata(
         require_varlen_layout: raise instead of returning `causal_layout=None` when padding is not
             a right-padded tail of every row.
         tile_size: queries per score tile, in [1, 128].
+        backend: "auto" (the Triton kernels on CUDA, PyTorch ops on CPU), "triton" (on CPU through
+            `TRITON_INTERPRET=1`) or "reference" (PyTorch ops). The same metadata either way.
     Returns:
         `RegionMetadata`.
     Raises:
         TypeError: `key_positions` is not an int64 tensor, `key_padding` not a bool tensor.
+        RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
         ValueError: ranks or shapes disagree; `query_start`/`queries` outside the global length;
             `region_size`, `topk`, `window` or `tile_size` out of range; a valid position is negative
             or does not continue its document (a document must start at position 0); padding
@@ -114,68 +121,17 @@ def region_metadata(
             f"{fn}: tile_size must be an int in [1, {MAX_TILE_QUERIES}]; got {tile_size!r}"
         )
 
-    device = key_positions.device
-    pos = key_positions
-    valid = torch.ones_like(pos, dtype=torch.bool) if key_padding is None else ~key_padding
-    token_index = torch.arange(length, device=device).expand(batch, length)
+    if resolve_backend(fn, backend, key_positions) == "triton":
+        from .metadata_triton import DeviceMetadata
 
-    # Documents and regions of every key token.
-    last_valid = torch.cummax(torch.where(valid, token_index, -1), dim=1).values
-    previous_valid = torch.nn.functional.pad(last_valid[:, :-1], (1, 0), value=-1)
-    previous_pos = torch.where(previous_valid >= 0, pos.gather(1, previous_valid.clamp(min=0)), -1)
-    negative = valid & (pos < 0)
-    discontinuous = valid & (pos != 0) & (pos != previous_pos + 1)
-    padding_so_far = torch.cumsum(~valid, dim=1)
-    padded_before = (padding_so_far - (~valid).to(padding_so_far.dtype)) > 0
-    left_padding = valid & padded_before
-
-    region_local = torch.div(pos, region_size, rounding_mode="floor")
-    documents = torch.where(valid, torch.cumsum(valid & (pos == 0), dim=1) - 1, -1)
-    region_start = valid & (pos % region_size == 0)
-    token_regions = torch.where(valid, torch.cumsum(region_start, dim=1) - 1, -1)
-    regions_per_row = region_start.sum(dim=1)
-
-    # Queries of this shard.
-    rows = slice(query_start, query_start + queries)
-    query_valid = valid[:, rows]
-    current = token_regions[:, rows]
-    query_documents = documents[:, rows]
-    history = torch.where(query_valid, region_local[:, rows], -1)
-    query_first_region = torch.where(query_valid, current - history, -1)
-    sparse = query_valid & (history > topk)
-
-    # Score tiles: per (batch, chunk of tile_size queries) the sparse rows and their region interval.
-    chunks = math.ceil(queries / tile_size)
-    pad = chunks * tile_size - queries
-    local = torch.arange(queries, device=device).expand(batch, queries)
-    big = 2**62  # exact as a double (F.pad takes its fill value as one)
-
-    def chunk_reduce(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
-        padded = torch.nn.functional.pad(torch.where(sparse, values, fill), (0, pad), value=fill)
-        shaped = padded.view(batch, chunks, tile_size)
-        return shaped.amin(dim=2) if reduce == "min" else shaped.amax(dim=2)
-
-    tile_info = torch.stack(
-        [
-            chunk_reduce(local, big, "min"),
-            chunk_reduce(local, -1, "max"),
-            chunk_reduce(query_first_region, big, "min"),
-            chunk_reduce(current, -1, "max"),
-        ]
-    )
-
-    segments = _varlen_segments(pos, valid, query_start, queries, window)
-
-    flags = torch.stack(
-        [
-            negative.any(),
-            discontinuous.any(),
-            left_padding.any(),
-            query_valid.any(),
-            regions_per_row.max(),
-        ]
-    ).to(torch.int64)
-    host = torch.cat([flags, segments["host"], tile_info.flatten()]).tolist()  # the one host sync
+        stage = DeviceMetadata(
+            key_positions, key_padding, query_start, queries, region_size, topk, window, tile_size
+        )
+    else:
+        stage = _TorchMetadata(
+            key_positions, key_padding, query_start, queries, region_size, topk, window, tile_size
+        )
+    host = stage.host.tolist()  # the one host sync
     has_negative, has_discontinuity, has_left_padding, any_valid_query, region_count = host[:5]
     segment_count, max_seqlen_q, max_seqlen_k, max_seqlen_window = host[5:9]
     tile_host = host[9:]
@@ -195,37 +151,21 @@ def region_metadata(
             "got padding before a valid token"
         )
 
-    # Per-region tensors (shapes known now; no further synchronisation).
-    count = region_count
-    slots = min(topk, count) + 1
-    scatter_at = torch.where(region_start, token_regions, count)
-    region_documents = _scatter_rows(scatter_at, documents, count, fill=-1)
-    region_first = _scatter_rows(scatter_at, token_regions - region_local, count, fill=-1)
-    source_at = torch.where(
-        valid, token_regions * region_size + pos % region_size, count * region_size
-    )
-    region_sources = _scatter_rows(source_at, token_index, count * region_size, fill=-1).to(
-        torch.int32
-    )
-    region_sources = region_sources.view(batch, count, region_size)
-
-    # [B, Q, slots] in int32 from the start: two broadcast passes, no int64 temporaries.
-    offsets = torch.arange(slots, dtype=torch.int32, device=device)
-    last_offset = torch.where(query_valid & ~sparse, history, -1).to(torch.int32).unsqueeze(-1)
-    first = query_first_region.to(torch.int32).unsqueeze(-1)
-    dense_region_ids = torch.where(offsets <= last_offset, first + offsets, count)
-
-    score_tiles = _score_tiles(tile_host, batch, chunks)
+    with_layout = bool(any_valid_query) and not has_left_padding
+    tensors = stage.finish(region_count, segment_count, with_layout)
+    score_tiles = _score_tiles(tile_host, batch, math.ceil(queries / tile_size))
     causal_layout = window_layout = None
     if not any_valid_query:
-        causal_layout = window_layout = _singleton_layout(device, query_start)
-    elif not has_left_padding:
+        causal_layout = window_layout = _singleton_layout(key_positions.device, query_start)
+    elif with_layout:
+        segments = tensors["segments"]
         causal_layout = _layout(segments, segment_count, max_seqlen_q, max_seqlen_k, "key_start")
         if window is not None:
             window_layout = _layout(
                 segments, segment_count, max_seqlen_q, max_seqlen_window, "window_start"
             )
 
+    current = tensors["token_regions"][:, query_start : query_start + queries]
     return RegionMetadata(
         region_size=region_size,
         topk=topk,
@@ -233,25 +173,152 @@ def region_metadata(
         queries=queries,
         global_length=length,
         window=window,
-        region_count=count,
-        token_regions=token_regions,
-        documents=documents,
-        region_documents=region_documents,
-        region_first=region_first,
-        query_padding=~query_valid,
-        query_documents=query_documents,
+        region_count=region_count,
+        token_regions=tensors["token_regions"],
+        documents=tensors["documents"],
+        region_documents=tensors["region_documents"],
+        region_first=tensors["region_first"],
+        query_padding=tensors["query_padding"],
+        query_documents=tensors["documents"][:, query_start : query_start + queries],
         current=current,
-        query_first_region=query_first_region,
-        dense_region_ids=dense_region_ids,
-        sparse_queries=sparse,
+        query_first_region=tensors["query_first_region"],
+        dense_region_ids=tensors["dense_region_ids"],
+        sparse_queries=tensors["sparse_queries"],
         score_tiles=score_tiles,
         summary_ranges=merge_summary_ranges(score_tiles),
-        region_sources=region_sources,
-        region_source_valid=region_sources >= 0,
+        region_sources=tensors["region_sources"],
+        region_source_valid=tensors["region_sources"] >= 0,
         causal_layout=causal_layout,
         window_layout=window_layout,
         all_padding_key=not any_valid_query,
     )
+
+
+class _TorchMetadata:
+    """The PyTorch half of `region_metadata` (CPU, and the oracle of `metadata_triton`): `__init__`
+    derives every tensor the host must read with cumulative sums and reductions and holds them in
+    `host` (int64: the flags, the varlen statistics, then the [4, B, chunks] tile bounds);
+    `finish` builds the tensors that need the region count."""
+
+    def __init__(
+        self,
+        pos: torch.Tensor,
+        key_padding: torch.Tensor | None,
+        query_start: int,
+        queries: int,
+        region_size: int,
+        topk: int,
+        window: int | None,
+        tile_size: int,
+    ) -> None:
+        batch, length = pos.shape
+        device = pos.device
+        valid = torch.ones_like(pos, dtype=torch.bool) if key_padding is None else ~key_padding
+        token_index = torch.arange(length, device=device).expand(batch, length)
+
+        # Documents and regions of every key token.
+        last_valid = torch.cummax(torch.where(valid, token_index, -1), dim=1).values
+        previous_valid = torch.nn.functional.pad(last_valid[:, :-1], (1, 0), value=-1)
+        previous_pos = torch.where(
+            previous_valid >= 0, pos.gather(1, previous_valid.clamp(min=0)), -1
+        )
+        negative = valid & (pos < 0)
+        discontinuous = valid & (pos != 0) & (pos != previous_pos + 1)
+        padding_so_far = torch.cumsum(~valid, dim=1)
+        padded_before = (padding_so_far - (~valid).to(padding_so_far.dtype)) > 0
+        left_padding = valid & padded_before
+
+        region_local = torch.div(pos, region_size, rounding_mode="floor")
+        documents = torch.where(valid, torch.cumsum(valid & (pos == 0), dim=1) - 1, -1)
+        region_start = valid & (pos % region_size == 0)
+        token_regions = torch.where(valid, torch.cumsum(region_start, dim=1) - 1, -1)
+        regions_per_row = region_start.sum(dim=1)
+
+        # Queries of this shard.
+        rows = slice(query_start, query_start + queries)
+        query_valid = valid[:, rows]
+        current = token_regions[:, rows]
+        history = torch.where(query_valid, region_local[:, rows], -1)
+        query_first_region = torch.where(query_valid, current - history, -1)
+        sparse = query_valid & (history > topk)
+
+        # Score tiles: per (batch, chunk of tile_size queries) the sparse rows and their regions.
+        chunks = math.ceil(queries / tile_size)
+        pad = chunks * tile_size - queries
+        local = torch.arange(queries, device=device).expand(batch, queries)
+        big = 2**62  # exact as a double (F.pad takes its fill value as one)
+
+        def chunk_reduce(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
+            padded = torch.nn.functional.pad(
+                torch.where(sparse, values, fill), (0, pad), value=fill
+            )
+            shaped = padded.view(batch, chunks, tile_size)
+            return shaped.amin(dim=2) if reduce == "min" else shaped.amax(dim=2)
+
+        tile_info = torch.stack(
+            [
+                chunk_reduce(local, big, "min"),
+                chunk_reduce(local, -1, "max"),
+                chunk_reduce(query_first_region, big, "min"),
+                chunk_reduce(current, -1, "max"),
+            ]
+        )
+        self.segments = _varlen_segments(pos, valid, query_start, queries, window)
+        flags = torch.stack(
+            [
+                negative.any(),
+                discontinuous.any(),
+                left_padding.any(),
+                query_valid.any(),
+                regions_per_row.max(),
+            ]
+        ).to(torch.int64)
+        self.host = torch.cat([flags, self.segments["host"], tile_info.flatten()])
+        self.pos, self.valid, self.token_index = pos, valid, token_index
+        self.documents, self.token_regions, self.region_local = (
+            documents,
+            token_regions,
+            region_local,
+        )
+        self.region_start, self.region_size, self.topk = region_start, region_size, topk
+        self.query_valid, self.sparse, self.history = query_valid, sparse, history
+        self.query_first_region = query_first_region
+
+    def finish(
+        self, count: int, segment_count: int, with_segments: bool
+    ) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
+        region_size, pos, valid = self.region_size, self.pos, self.valid
+        batch = pos.shape[0]
+        slots = min(self.topk, count) + 1
+        scatter_at = torch.where(self.region_start, self.token_regions, count)
+        region_documents = _scatter_rows(scatter_at, self.documents, count, fill=-1)
+        region_first = _scatter_rows(
+            scatter_at, self.token_regions - self.region_local, count, fill=-1
+        )
+        source_at = torch.where(
+            valid, self.token_regions * region_size + pos % region_size, count * region_size
+        )
+        region_sources = _scatter_rows(
+            source_at, self.token_index, count * region_size, fill=-1
+        ).to(torch.int32)
+
+        # [B, Q, slots] in int32 from the start: two broadcast passes, no int64 temporaries.
+        offsets = torch.arange(slots, dtype=torch.int32, device=pos.device)
+        dense_rows = self.query_valid & ~self.sparse
+        last_offset = torch.where(dense_rows, self.history, -1).to(torch.int32).unsqueeze(-1)
+        first = self.query_first_region.to(torch.int32).unsqueeze(-1)
+        return {
+            "token_regions": self.token_regions,
+            "documents": self.documents,
+            "region_documents": region_documents,
+            "region_first": region_first,
+            "region_sources": region_sources.view(batch, count, region_size),
+            "query_padding": ~self.query_valid,
+            "query_first_region": self.query_first_region,
+            "sparse_queries": self.sparse,
+            "dense_region_ids": torch.where(offsets <= last_offset, first + offsets, count),
+            "segments": self.segments,
+        }
 
 
 def merge_summary_ranges(tiles: tuple[ScoreTile, ...]) -> tuple[SummaryRange, ...]:
