@@ -121,14 +121,17 @@ def select_regions_tiled(
             raise ValueError(f"select_regions: {name} must be an int >= 1; got {value!r}")
     mark = _mark if _mark is not None else _no_mark
     # the same for every layer of the forward: planned once (about 1 ms of host time at 131 072
-    # tokens, during which the GPU would wait)
+    # tokens, during which the GPU would wait), with each call's candidate bounds relative to its
+    # first region (two small kernels per call and layer otherwise)
     plan_key = (groups, score_budget_bytes, project_rows, method, region_chunk, summary.device.type)
     plan = metadata.host_plans.get(plan_key)
     if plan is None:
         call_bytes = score_call_bytes(method, summary.device, region_chunk, metadata.topk)
         merged = _merge_tiles(metadata.score_tiles, groups, score_budget_bytes, call_bytes)
-        plan = metadata.host_plans[plan_key] = (merged, _projection_spans(merged, project_rows))
-    merged, spans = plan
+        bounds = {call: _first_chunk_bounds(metadata, call) for call in merged}
+        plan = (merged, _projection_spans(merged, project_rows), bounds)
+        metadata.host_plans[plan_key] = plan
+    merged, spans, bounds = plan
     out = _dense_outside(metadata, groups, merged)
     for b, s0, s1, calls in spans:
         span_query, span_weights = tile_inputs(b, s0, s1)
@@ -146,6 +149,7 @@ def select_regions_tiled(
                 backend,
                 mark,
                 out[b, :, q0:q1, : metadata.topk],
+                bounds[tile],
             )
             if method == "composite" and kept is not None:
                 kept = torch.sort(kept, dim=-1).values
@@ -199,6 +203,15 @@ def _projection_spans(
     return [(b, q0, q1, joined) for b, q0, q1, joined in spans]
 
 
+def _first_chunk_bounds(
+    metadata: RegionMetadata, call: ScoreTile
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate bounds `[first, current)` of a call's rows relative to its first region."""
+    b, q0, q1, r0, _ = call
+    rows = (slice(b, b + 1), slice(q0, q1))
+    return metadata.query_first_region[rows] - r0, metadata.current[rows] - r0
+
+
 def select_regions_dense(metadata: RegionMetadata, groups: int) -> torch.Tensor:
     """The selection when no query of the shard is sparse: `dense_region_ids` per group, [B, G, Q, topk + 1]."""
     return _dense_outside(metadata, groups, [])
@@ -219,6 +232,7 @@ def _tile_topk(
     backend: str,
     mark: Callable[[str], None] = _no_mark,
     out: torch.Tensor | None = None,
+    first_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, int]:
     """Running top-k over region chunks of one tile: `(kept, offset)`, where `kept + offset` are the
     int64 [G, q1 - q0, topk] region ids, ascending for method "threshold" (`stable_topk` returns
@@ -226,6 +240,7 @@ def _tile_topk(
     "composite". `offset` is the chunk's first region when `kept` holds its positions, else 0.
     `kept` is None where a one-chunk "threshold" tile's ids went straight into `out` (int32
     [G, q1 - q0, topk], the selection's rows), which saves writing and re-reading them as int64.
+    `first_bounds`: `_first_chunk_bounds` of the tile, if the caller has them.
 
     query [1, q1 - q0, G, H, D], weights [1, q1 - q0, G, H] and summary [1, N, D] hold the tile's batch
     row. Ids of rows that are not sparse are meaningless (the caller discards them).
@@ -241,7 +256,10 @@ def _tile_topk(
         c1 = min(c0 + region_chunk, r1)
         # "threshold": the kernel writes -inf outside each query's candidates [first, current), so
         # no pass over the scores masks them (rows of non-sparse queries are discarded by the caller)
-        bounds = (first - c0, current - c0) if method == "threshold" else None
+        bounds = None
+        if method == "threshold":
+            given = c0 == r0 and first_bounds is not None
+            bounds = first_bounds if given else (first - c0, current - c0)
         padded = -(-(c1 - c0) // SCORE_ROW_ALIGN) * SCORE_ROW_ALIGN
         # float64 scores only where the reference scores float64 queries (the kernels refuse them)
         wide = query.dtype == torch.float64 and (backend == "reference" or not query.is_cuda)
@@ -259,6 +277,13 @@ def _tile_topk(
             backend=backend,
         )
         scores = tile_scores[0]
+        one_chunk = method == "threshold" and best_scores is None and c1 == r1
+        if one_chunk and out is not None and scores.shape[-1] > topk:
+            # its positions + c0 are the ids, ascending: straight into the selection's rows
+            mark("score")
+            stable_topk(scores, topk, out=out, offset=c0)
+            mark("topk")
+            return None, 0
         region = torch.arange(c0, c1, device=scores.device)
         if method == "composite":
             sparse = metadata.sparse_queries[b, q0:q1].view(1, -1, 1)
@@ -285,10 +310,6 @@ def _tile_topk(
             continue
         # ids ascend along the candidates (kept ids ascending, then this chunk's regions), so the
         # lowest position among tied scores is the lowest region id
-        if ids.dim() == 1 and c1 == r1 and out is not None:  # one chunk: its ids are the result
-            stable_topk(scores, topk, out=out, offset=c0)
-            mark("topk")
-            return None, 0
         chosen = stable_topk(scores, topk)
         # 1-D ids are this chunk's regions, c0 + position; on the last chunk the positions are kept
         # and c0 is added when they are written, a later chunk needs the ids themselves
