@@ -128,7 +128,10 @@ def select_regions_tiled(
     if plan is None:
         call_bytes = score_call_bytes(method, summary.device, region_chunk, metadata.topk)
         merged = _merge_tiles(metadata.score_tiles, groups, score_budget_bytes, call_bytes)
-        bounds = {call: _first_chunk_bounds(metadata, call) for call in merged}
+        bounds = {
+            call: _first_chunk_bounds(metadata, call) if method == "threshold" else None
+            for call in merged
+        }
         plan = (merged, _projection_spans(merged, project_rows), bounds)
         metadata.host_plans[plan_key] = plan
     merged, spans, bounds = plan
