@@ -329,21 +329,27 @@ def test_out_and_offset_write_the_positions_in_place(n, k, out_dtype, backend):
 def test_out_is_checked_and_named():
     scores = torch.randn(2, 3, 50)
     good = torch.empty(2, 3, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"out must be int32 or int64 of shape \(2, 3, 4\)"):
+    laid_out = r"out must be a tensor with last-dim stride 1 and no overlapping elements"
+    with pytest.raises(ValueError, match=laid_out + r" \(torch.int32, shape \(2, 3, 4\)"):
         stable_topk(scores, 4, out=torch.empty(2, 3, 5, dtype=torch.int32))
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with pytest.raises(ValueError, match=r"out must be int32 or int64; got torch\.float32"):
         stable_topk(scores, 4, out=good.float())
     with pytest.raises(ValueError, match="out needs dim to be the last dim"):
         stable_topk(scores, 2, dim=1, out=good)
-    with pytest.raises(ValueError, match="last-dim stride of 1"):
+    with pytest.raises(ValueError, match=laid_out):
         stable_topk(scores, 4, out=torch.empty(2, 3, 8, dtype=torch.int32)[..., ::2])
-    wide = torch.empty(2, 5, 3, 7, dtype=torch.int32)[:, ::2, :, :4]  # no two dims merge
+    with pytest.raises(ValueError, match=laid_out):  # every row in the same memory
+        stable_topk(scores, 4, out=torch.zeros(1, 1, 4, dtype=torch.int32).expand(2, 3, 4))
+    wide = torch.empty(2, 7, 3, 8, dtype=torch.int32)[:, :5:2, :, :4]  # no two dims merge
     with pytest.raises(ValueError, match="viewable as at most two dims"):
         stable_topk(torch.randn(2, 3, 3, 50), 4, out=wide)
     with pytest.raises(ValueError, match=r"offset and offset \+ n must lie in int32's range"):
         stable_topk(scores, 4, out=good, offset=2**31 - 10)
     with pytest.raises(TypeError, match="offset must be an int"):
         stable_topk(scores, 4, offset=1.0)
+    # k = 1: the last dim's stride does not matter
+    column = torch.full((2, 3, 2), -1, dtype=torch.int64)[..., 1:]
+    assert torch.equal(stable_topk(scores, 1, out=column), reference.stable_topk(scores, 1))
 
 
 @pytest.mark.gpu

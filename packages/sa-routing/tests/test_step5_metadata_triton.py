@@ -28,13 +28,13 @@ def assert_same_metadata(got: RegionMetadata, expected: RegionMetadata) -> None:
 
 
 def random_rows(
-    gen: torch.Generator, batch: int, length: int, interior_padding: bool
+    gen: torch.Generator, batch: int, length: int, interior_padding: bool, tail: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Documents of random lengths, a padding tail, and (optionally) padding tokens between
-    valid ones, which keep their documents' positions counting."""
+    """Documents of random lengths, a padding tail (unless `tail` is False: every token valid), and
+    (optionally) padding tokens between valid ones, which keep their documents' positions counting."""
     rows_pos, rows_pad = [], []
     for _ in range(batch):
-        valid = int(torch.randint(0, length + 1, (1,), generator=gen))
+        valid = int(torch.randint(0, length + 1, (1,), generator=gen)) if tail else length
         lengths, left = [], valid
         while left:
             n = int(torch.randint(1, left + 1, (1,), generator=gen))
@@ -76,12 +76,12 @@ def test_kernels_build_the_pytorch_paths_metadata(seed: int, interior_padding: b
         "window": [None, 5, 300][seed % 3],
         "tile_size": [128, 7, 64][seed % 3],
     }
-    for padding in (pad, None if not pad.any() else pad):
-        expected = region_metadata(
-            pos, padding, query_start, queries, **options, backend="reference"
-        )
-        got = region_metadata(pos, padding, query_start, queries, **options, backend="triton")
-        assert_same_metadata(got, expected)
+    # the same layout with padding, and documents filling every token without (no padding mask)
+    full_pos, _ = random_rows(gen, batch, length, interior_padding=False, tail=False)
+    for positions, padding in ((pos, pad), (full_pos, None)):
+        args = (positions, padding, query_start, queries)
+        expected = region_metadata(*args, **options, backend="reference")
+        assert_same_metadata(region_metadata(*args, **options, backend="triton"), expected)
 
 
 def test_kernels_without_padding_with_a_fully_padded_shard_and_padding_across_scan_blocks() -> None:

@@ -8,8 +8,9 @@ import torch
 
 from sa_kernels.backend import check_eps, resolve_backend
 from sa_kernels.norm_rope_e4m3 import reference
+from sa_kernels.norm_rope_e4m3.rope import rotate_half_split_
 
-__all__ = ["rms_norm_rope_e4m3"]
+__all__ = ["rms_norm_rope_e4m3", "rotate_half_split_"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,7 +34,7 @@ def rms_norm_rope_e4m3(
 
     Args:
         x: [tokens, heads, dim] bfloat16, float16 or float32; channel stride 1, any other strides.
-        weight: [dim] float32.
+        weight: [dim], float32 in the reference models (any float dtype; rounded to x's anyway).
         eps: added to the mean square, finite and >= 0.
         cos, sin: [tokens, half] float32 with `2 * half <= dim`: the rotation of each token.
         backend: "auto" (Triton on CUDA, the reference on CPU), "triton" or "reference".
@@ -51,7 +52,9 @@ def rms_norm_rope_e4m3(
             raise TypeError(f"{fn}: {name} must be a tensor; got {type(t).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{fn}: x must be bfloat16, float16 or float32; got {x.dtype}")
-    for name in ("weight", "cos", "sin"):
+    if not weight.is_floating_point():
+        raise TypeError(f"{fn}: weight must be a floating tensor; got {weight.dtype}")
+    for name in ("cos", "sin"):
         if named[name].dtype != torch.float32:
             raise TypeError(f"{fn}: {name} must be float32; got {named[name].dtype}")
     if x.dim() != 3 or x.shape[-1] == 0:

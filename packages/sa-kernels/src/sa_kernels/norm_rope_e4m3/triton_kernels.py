@@ -1,4 +1,4 @@
-"""The query epilogue of the Step-5 indexer in one pass: RMSNorm, RoPE and E4M3 rounding per row.
+"""The Step-5 indexer's query epilogue in one pass: RMSNorm, RoPE and E4M3 rounding per row.
 
 Each program normalises `ROWS` (token, head) rows of `C` channels and writes the channels past
 the rotary ones; the rotary channels are then re-read (L1 hits) as two `[ROWS, half]` halves, so
@@ -12,6 +12,14 @@ import triton.language as tl
 
 from sa_kernels.e4m3.triton_kernels import e4m3_round_fp32
 from sa_kernels.rms_norm.triton_kernels import _layout, _scale
+
+
+@triton.jit
+def _rounded(x, ROUND_E4M3: tl.constexpr):
+    """x rounded to E4M3 (always, but where a test checks the rotation's own bits)."""
+    if ROUND_E4M3:
+        return e4m3_round_fp32(x)
+    return x
 
 
 @triton.jit
@@ -39,6 +47,7 @@ def _rms_norm_rope_e4m3_kernel(
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    ROUND_E4M3: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -56,26 +65,36 @@ def _rms_norm_rope_e4m3_kernel(
     w = _scale(w_ptr, cols[None, :], mask, act, True, True)
     y = (x * rstd[:, None] * w).to(act).to(tl.float32)
     plain = mask & (cols >= 2 * HALF)[None, :]
-    tl.store(y_rows[:, None] + cols[None, :], e4m3_round_fp32(y).to(act), mask=plain)
+    tl.store(y_rows[:, None] + cols[None, :], _rounded(y, ROUND_E4M3).to(act), mask=plain)
 
     # the rotated channels, re-read (L1 hits) as the two halves of each pair
     pair = tl.arange(0, BLOCK_HALF)
     rope_mask = row_ok[:, None] & (pair < HALF)[None, :]
     y1 = _normalised(x_rows, pair, rope_mask, rstd, w_ptr, act)
     y2 = _normalised(x_rows, pair + HALF, rope_mask, rstd, w_ptr, act)
-    angle_at = tokens[:, None] * HALF + pair[None, :]
+    angle_at = tokens.to(tl.int64)[:, None] * HALF + pair[None, :]
     cos = tl.load(cos_ptr + angle_at, mask=rope_mask, other=0.0)
     sin = tl.load(sin_ptr + angle_at, mask=rope_mask, other=0.0)
     r1 = (y1 * cos - y2 * sin).to(act).to(tl.float32)
     r2 = (y2 * cos + y1 * sin).to(act).to(tl.float32)
-    tl.store(y_rows[:, None] + pair[None, :], e4m3_round_fp32(r1).to(act), mask=rope_mask)
-    tl.store(y_rows[:, None] + (pair + HALF)[None, :], e4m3_round_fp32(r2).to(act), mask=rope_mask)
+    tl.store(y_rows[:, None] + pair[None, :], _rounded(r1, ROUND_E4M3).to(act), mask=rope_mask)
+    tl.store(
+        y_rows[:, None] + (pair + HALF)[None, :], _rounded(r2, ROUND_E4M3).to(act), mask=rope_mask
+    )
 
 
 def rms_norm_rope_e4m3(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    _round_e4m3: bool = True,
 ) -> torch.Tensor:
-    """x [tokens, heads, dim] (channel stride 1); cos, sin contiguous [tokens, half] FP32."""
+    """x [tokens, heads, dim] (channel stride 1); cos, sin contiguous [tokens, half] FP32.
+    `_round_e4m3=False` (tests only) stops before the E4M3 rounding, whose coarse steps would hide
+    a one-ulp difference of the rotation."""
     x, n_rows, heads, stride_t, stride_h = _layout(x)
     channels = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -105,6 +124,7 @@ def rms_norm_rope_e4m3(
         ROWS=rows,
         BLOCK_C=block_c,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
+        ROUND_E4M3=_round_e4m3,
         num_warps=warps,
         enable_fp_fusion=False,
     )

@@ -2,7 +2,7 @@
 
 import torch
 
-from sa_kernels.backend import has_triton, resolve_backend, triton_interpret
+from sa_kernels.backend import check_out, has_triton, resolve_backend, triton_interpret
 
 __all__ = [
     "TRITON_MAX_ROW",
@@ -35,7 +35,9 @@ def _runs_kernel(resolved: str, dtype: torch.dtype, n: int) -> bool:
 def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device | str) -> int:
     """Temporary bytes per score entry that `stable_topk` (backend "auto") allocates for rows of `n`
     entries of `dtype` on `device`: 0 on the Triton kernel path (it reads the scores in place), else
-    the PyTorch path's int32 keys, mask and top-k scratch. For callers that size chunks of scores."""
+    the PyTorch path's int32 keys, mask and top-k scratch. For callers that size chunks of scores.
+    Per row (not per entry) the result takes k positions, and with `out=` the kernels' 2k int32
+    slots."""
     resolved = "triton" if torch.device(device).type == "cuda" and has_triton() else "reference"
     return 0 if _runs_kernel(resolved, dtype, n) else _TORCH_PATH_BYTES_PER_ENTRY
 
@@ -75,8 +77,10 @@ def stable_topk(
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
         out: int32 or int64 [..., k] (`scores`' shape with `k` along the last dim, which `dim` must
-            be), last-dim stride 1, its other dims viewable as at most two with any strides, not
-            overlapping `scores`; written in place (e.g. the first slots of a larger row), or None.
+            be), last-dim stride 1, no two elements in the same memory, its other dims viewable as
+            at most two with any strides, not overlapping `scores`; written in place (e.g. the first
+            slots of a larger row), or None. The Triton kernels then take an int32 scratch of 2k
+            slots per row (`stable_topk_workspace_bytes` does not count it).
         offset: int added to every position written (e.g. the first id of a chunk of candidates);
             `offset` and `offset + n` must lie in int32's range.
         backend: "auto", "triton" (on CPU through `TRITON_INTERPRET=1`) or "reference".
@@ -87,8 +91,8 @@ def stable_topk(
         TypeError: scores is not a floating-point tensor; k or dim is not an int.
         ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
             float64 tensor or rows longer than 32768; `out` of another shape, dtype or device, with
-            a last-dim stride other than 1 or more than two other dims that cannot be merged, or
-            with `dim` not the last; `offset + n` beyond int32.
+            a last-dim stride other than 1, overlapping elements or more than two other dims that
+            cannot be merged, or with `dim` not the last; `offset + n` beyond int32.
         RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
@@ -155,15 +159,10 @@ def _out_rows(fn: str, out: object, scores: torch.Tensor, dim: int, k: int) -> t
         raise TypeError(f"{fn}: out must be a tensor or None; got {type(out).__name__}")
     if dim % scores.dim() != scores.dim() - 1:
         raise ValueError(f"{fn}: out needs dim to be the last dim; got dim={dim}")
-    shape = (*scores.shape[:-1], k)
-    if tuple(out.shape) != shape or out.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{fn}: out must be int32 or int64 of shape {shape}; got {out.dtype} {tuple(out.shape)}"
-        )
-    if out.device != scores.device:
-        raise ValueError(f"{fn}: out must be on scores' device {scores.device}; got {out.device}")
-    if k > 0 and out.stride(-1) != 1:
-        raise ValueError(f"{fn}: out must have a last-dim stride of 1; got {out.stride(-1)}")
+    if out.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{fn}: out must be int32 or int64; got {out.dtype}")
+    # rows that overlap would be written by several programs at once
+    check_out(fn, out, (*scores.shape[:-1], k), out.dtype, scores.device, padded_rows=True)
     merged: list[list[int]] = []  # [size, stride] of the leading dims, adjacent ones merged
     for size, stride in zip(out.shape[:-1], out.stride()[:-1], strict=True):
         if size == 1:

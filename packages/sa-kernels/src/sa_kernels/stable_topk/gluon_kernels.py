@@ -405,10 +405,11 @@ def stable_topk_rows(
     one program per row); `whole_row_warps`, `prefilter_warps`: warps per row of the two kernels
     (the sweep's knobs; the results do not change)."""
     rows, n = scores.shape
-    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device)
+    whole = n < PREFILTER_MIN or 2 * k > MAXIMA
+    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device, not whole)
     if rows == 0:
         return out
-    if n < PREFILTER_MIN or 2 * k > MAXIMA:  # held whole: RUN adjacent entries per thread cover it
+    if whole:  # held whole: RUN adjacent entries per thread cover it
         warps = whole_row_warps
         block = max(32 * warps, triton.next_power_of_2(n))
         _stable_topk_whole_row_kernel[(rows,)](

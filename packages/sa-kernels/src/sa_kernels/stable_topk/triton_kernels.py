@@ -410,17 +410,18 @@ def output_rows(
     rows: int,
     k: int,
     device: torch.device,
+    prefilter: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
     """Where the kernels write: `(out, slots, (out_inner, out_stride_outer, out_stride_inner,
     slot_stride))`. No `out`: a new int64 [rows, k], whose rows double as the prefilter's 2k int32
     slots. `out` (int32 or int64, last-dim stride 1) with `addressing = (inner, stride_outer,
     stride_inner)`: row r goes to `(r // inner) * stride_outer + (r % inner) * stride_inner`, and
-    the slots get their own int32 [rows, 2k]."""
+    the slots (where the `prefilter` runs; else `out`, unread) get their own int32 [rows, 2k]."""
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int64, device=device)
         return out, out.view(torch.int32), (max(rows, 1), 0, k, 2 * k)
     assert addressing is not None
-    slots = torch.empty(rows, 2 * k, dtype=torch.int32, device=device)
+    slots = torch.empty(rows, 2 * k, dtype=torch.int32, device=device) if prefilter else out
     return out, slots, (*addressing, 2 * k)
 
 
@@ -444,12 +445,12 @@ def stable_topk_rows(
         `out`, or the new int64 [rows, k]: ascending positions (+ offset) per row.
     """
     rows, n = scores.shape
-    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device)
-    if rows == 0:
-        return out
     block = max(16, triton.next_power_of_2(n))
     config = _config or default_config(block, k)
     maxima = _prefilter_maxima(config, block, k)
+    out, slots, addressing = output_rows(out, addressing, rows, k, scores.device, maxima > 0)
+    if rows == 0:
+        return out
     per_program = config.rows_per_program if maxima else 1
     _stable_topk_kernel[(triton.cdiv(rows, per_program),)](
         scores,

@@ -87,11 +87,11 @@ class Step5SparseIndexer(nn.Module):
         groups, heads, dim = cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
         cos, sin = self.rotary.cos_sin(positions)
         query = rms_norm_rope_e4m3(
-            self.q_proj(hidden).view(batch * tokens, groups * heads, dim),
+            self.q_proj(hidden).reshape(batch * tokens, groups * heads, dim),
             self.q_norm.weight,
             self.q_norm.eps,
-            cos.view(batch * tokens, -1),
-            sin.view(batch * tokens, -1),
+            cos.flatten(0, 1),
+            sin.flatten(0, 1),
         )
         # E4M3 values are exact in BF16: the widening never rounds
         query = query.view(batch, tokens, groups, heads, dim).to(torch.bfloat16)

@@ -54,6 +54,7 @@ def region_metadata(
         `RegionMetadata`.
     Raises:
         TypeError: `key_positions` is not an int64 tensor, `key_padding` not a bool tensor.
+        ValueError: a backend other than "auto", "triton" or "reference".
         RuntimeError: backend="triton" on CPU tensors without TRITON_INTERPRET=1.
         ValueError: ranks or shapes disagree; `query_start`/`queries` outside the global length;
             `region_size`, `topk`, `window` or `tile_size` out of range; a valid position is negative
@@ -274,19 +275,26 @@ class _TorchMetadata:
             ]
         ).to(torch.int64)
         self.host = torch.cat([flags, self.segments["host"], tile_info.flatten()])
-        self.pos, self.valid, self.token_index = pos, valid, token_index
-        self.documents, self.token_regions, self.region_local = (
-            documents,
-            token_regions,
-            region_local,
-        )
-        self.region_start, self.region_size, self.topk = region_start, region_size, topk
-        self.query_valid, self.sparse, self.history = query_valid, sparse, history
+        # what `finish` needs
+        self.region_size = region_size
+        self.topk = topk
+        self.pos = pos
+        self.valid = valid
+        self.token_index = token_index
+        self.documents = documents
+        self.token_regions = token_regions
+        self.region_local = region_local
+        self.region_start = region_start
+        self.query_valid = query_valid
+        self.sparse = sparse
+        self.history = history
         self.query_first_region = query_first_region
 
     def finish(
         self, count: int, segment_count: int, with_segments: bool
     ) -> dict[str, torch.Tensor | dict[str, torch.Tensor]]:
+        """The tensors that need the region count. The varlen segments were built before the sync
+        on this path (`segment_count`, `with_segments`: the Triton path's arguments)."""
         region_size, pos, valid = self.region_size, self.pos, self.valid
         batch = pos.shape[0]
         slots = min(self.topk, count) + 1

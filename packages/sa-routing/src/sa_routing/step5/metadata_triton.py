@@ -5,13 +5,14 @@ nearly all of it host launch time (1.2 ms of it on the GPU).
 Before the host synchronisation:
 - `_token_scan_kernel`, one program per batch row walking it in blocks with carried counts:
   documents and regions of every key token, and the row's validation flags;
-- `_query_chunk_kernel`, one program per (batch row, chunk of `tile_size` queries): each query's
+- `_query_chunk_kernel`, one program per (chunk of `tile_size` queries, batch row): each query's
   first region and sparsity, the chunk's score-tile bounds, and the varlen segment statistics.
 After it (the region count is known):
 - `_query_rows_kernel`, per chunk again: the dense region ids and the varlen segments;
 - `_region_kernel`, per block of key tokens: region sources, documents and first regions.
 
-The varlen segments assume what the layout requires, padding only as a right-padded tail (a
+Chunks and token blocks go on the grid's first axis (CUDA allows 2**31 - 1 programs there, 65535
+on the others), batch rows on the second. The varlen segments assume what the layout requires, padding only as a right-padded tail (a
 segment is then a document's run of valid queries, starting at a document start or at the shard's
 first row): with padding before a valid token the statistics are not used (no layout).
 """
@@ -154,8 +155,8 @@ def _query_chunk_kernel(
     HAS_PADDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     q, in_chunk, token, pos, valid, current, history = _chunk_queries(
         pos_ptr, pad_ptr, regions_ptr, b, chunk, length, query_start, queries, tile_size,
         region_size, HAS_PADDING, BLOCK,
@@ -170,7 +171,7 @@ def _query_chunk_kernel(
     # the score tile: rows and region interval of the chunk's sparse queries ([4, B, chunks])
     big = 2**62
     tile = b * chunks + chunk
-    plane = tl.num_programs(0).to(tl.int64) * chunks
+    plane = tl.num_programs(1).to(tl.int64) * chunks
     tl.store(tiles_ptr + tile, tl.min(tl.where(sparse, q, big), axis=0))
     tl.store(tiles_ptr + plane + tile, tl.max(tl.where(sparse, q, -1), axis=0))
     tl.store(tiles_ptr + 2 * plane + tile, tl.min(tl.where(sparse, first, big), axis=0))
@@ -215,8 +216,8 @@ def _query_rows_kernel(
     BLOCK: tl.constexpr,
     SLOTS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     q, in_chunk, token, pos, valid, current, history = _chunk_queries(
         pos_ptr, pad_ptr, regions_ptr, b, chunk, length, query_start, queries, tile_size,
         region_size, HAS_PADDING, BLOCK,
@@ -261,8 +262,8 @@ def _region_kernel(
     HAS_PADDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.program_id(1).to(tl.int64)
     in_row = t < length
     token = b * length + t
     valid = ~_is_padding(pad_ptr, token, in_row, HAS_PADDING)
@@ -321,7 +322,7 @@ class DeviceMetadata:
             BLOCK=TOKEN_BLOCK,
             num_warps=4,
         )
-        _query_chunk_kernel[(batch, self.chunks)](
+        _query_chunk_kernel[(self.chunks, batch)](
             self.pos,
             pad,
             self.token_regions,
@@ -358,7 +359,7 @@ class DeviceMetadata:
         dense = torch.empty(batch, queries, slots, dtype=torch.int32, device=device)
         segments = torch.empty(5, max(segment_count, 1), dtype=torch.int64, device=device)
         prefix = torch.cumsum(self.chunk_starts, 0) - self.chunk_starts if with_segments else dense
-        _query_rows_kernel[(batch, self.chunks)](
+        _query_rows_kernel[(self.chunks, batch)](
             self.pos,
             pad,
             self.token_regions,
@@ -386,7 +387,7 @@ class DeviceMetadata:
         sources = torch.full((batch, count, region_size), -1, dtype=torch.int32, device=device)
         region_documents = torch.full((batch, count), -1, dtype=torch.int64, device=device)
         region_first = torch.full((batch, count), -1, dtype=torch.int64, device=device)
-        _region_kernel[(batch, triton.cdiv(length, REGION_BLOCK))](
+        _region_kernel[(triton.cdiv(length, REGION_BLOCK), batch)](
             self.pos,
             pad,
             self.documents,

@@ -6,7 +6,7 @@ import numbers
 import torch
 from torch import nn
 
-from sa_kernels.norm_rope_e4m3.reference import rotate_half_split_
+from sa_kernels.norm_rope_e4m3 import rotate_half_split_
 
 
 class Step5IndexerRotaryEmbedding(nn.Module):

@@ -123,6 +123,7 @@ def select_regions_tiled(
     # the same for every layer of the forward: planned once (about 1 ms of host time at 131 072
     # tokens, during which the GPU would wait), with each call's candidate bounds relative to its
     # first region (two small kernels per call and layer otherwise)
+    # (the metadata fixes the device; its type picks the top-k path that the budget counts)
     plan_key = (groups, score_budget_bytes, project_rows, method, region_chunk, summary.device.type)
     plan = metadata.host_plans.get(plan_key)
     if plan is None:

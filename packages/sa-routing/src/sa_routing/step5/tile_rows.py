@@ -48,7 +48,7 @@ def write_tile_rows(
     if n == 0:
         return
     rows = out[batch_row, :, first_query : first_query + n]
-    groups, _, topk = rows.shape[0], n, rows.shape[-1] - 1
+    groups, topk = rows.shape[0], rows.shape[-1] - 1
     tensors = (out, current, sparse, dense) if kept is None else (out, kept, current, sparse, dense)
     if resolve_backend("write_tile_rows", backend, *tensors) == "reference":
         ids = rows[..., :topk] if kept is None else (kept + offset).to(torch.int32)
