@@ -99,8 +99,6 @@ def _chunk_queries(
     pos_ptr,
     pad_ptr,
     regions_ptr,
-    b,
-    chunk,
     length,
     query_start,
     queries,
@@ -109,8 +107,11 @@ def _chunk_queries(
     HAS_PADDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The chunk's local queries q [BLOCK], which of them exist, and per query: its global token
-    index, position, validity, current region and history (its region within its document)."""
+    """This program's batch row b and its chunk's local queries q [BLOCK], which of them exist,
+    and per query: its flat token index, position, validity, current region and history (its
+    region within its document)."""
+    chunk = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     q = chunk * tile_size + tl.arange(0, BLOCK).to(tl.int64)
     in_chunk = (tl.arange(0, BLOCK) < tile_size) & (q < queries)
     token = b * length + query_start + q
@@ -118,7 +119,7 @@ def _chunk_queries(
     valid = ~_is_padding(pad_ptr, token, in_chunk, HAS_PADDING)
     current = tl.load(regions_ptr + token, mask=in_chunk, other=-1)
     history = tl.where(valid, pos // region_size, -1)
-    return q, in_chunk, token, pos, valid, current, history
+    return b, q, in_chunk, token, pos, valid, current, history
 
 
 @triton.jit
@@ -155,11 +156,9 @@ def _query_chunk_kernel(
     HAS_PADDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    chunk = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    q, in_chunk, token, pos, valid, current, history = _chunk_queries(
-        pos_ptr, pad_ptr, regions_ptr, b, chunk, length, query_start, queries, tile_size,
-        region_size, HAS_PADDING, BLOCK,
+    b, q, in_chunk, token, pos, valid, current, history = _chunk_queries(
+        pos_ptr, pad_ptr, regions_ptr, length, query_start, queries, tile_size, region_size,
+        HAS_PADDING, BLOCK,
     )  # fmt: skip
     first = tl.where(valid, current - history, -1)
     sparse = valid & (history > topk)
@@ -170,7 +169,7 @@ def _query_chunk_kernel(
 
     # the score tile: rows and region interval of the chunk's sparse queries ([4, B, chunks])
     big = 2**62
-    tile = b * chunks + chunk
+    tile = b * chunks + tl.program_id(0)
     plane = tl.num_programs(1).to(tl.int64) * chunks
     tl.store(tiles_ptr + tile, tl.min(tl.where(sparse, q, big), axis=0))
     tl.store(tiles_ptr + plane + tile, tl.max(tl.where(sparse, q, -1), axis=0))
@@ -216,11 +215,9 @@ def _query_rows_kernel(
     BLOCK: tl.constexpr,
     SLOTS: tl.constexpr,
 ):
-    chunk = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    q, in_chunk, token, pos, valid, current, history = _chunk_queries(
-        pos_ptr, pad_ptr, regions_ptr, b, chunk, length, query_start, queries, tile_size,
-        region_size, HAS_PADDING, BLOCK,
+    b, q, in_chunk, token, pos, valid, current, history = _chunk_queries(
+        pos_ptr, pad_ptr, regions_ptr, length, query_start, queries, tile_size, region_size,
+        HAS_PADDING, BLOCK,
     )  # fmt: skip
     local = b * queries + q
 
@@ -236,7 +233,7 @@ def _query_rows_kernel(
 
     if SEGMENTS:  # [5, segments]: query start, query stop, key start, key stop, window start
         starts, ends = _segment_marks(pos_ptr, pad_ptr, q, token, pos, valid, queries, HAS_PADDING)
-        before = tl.load(chunk_prefix_ptr + b * chunks + chunk)
+        before = tl.load(chunk_prefix_ptr + b * chunks + tl.program_id(0))
         segment = before + tl.cumsum(starts.to(tl.int64), axis=0) - 1
         key = token - pos  # the document's first key (flat)
         tl.store(segments_ptr + segment, local, mask=starts)
