@@ -120,10 +120,10 @@ def select_regions_tiled(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"select_regions: {name} must be an int >= 1; got {value!r}")
     mark = _mark if _mark is not None else _no_mark
-    # the same for every layer of the forward: planned once (about 1 ms of host time at 131 072
-    # tokens, during which the GPU would wait), with each call's candidate bounds relative to its
-    # first region (two small kernels per call and layer otherwise)
-    # (the metadata fixes the device; its type picks the top-k path that the budget counts)
+    # The same for every layer of the forward, so planned once: the calls (about 1 ms of host time
+    # at 131 072 tokens, during which the GPU would wait) and each call's candidate bounds relative
+    # to its first region (two small kernels per call and layer otherwise). The metadata fixes the
+    # device; its type picks the top-k path whose bytes the budget counts.
     plan_key = (groups, score_budget_bytes, project_rows, method, region_chunk, summary.device.type)
     plan = metadata.host_plans.get(plan_key)
     if plan is None:
