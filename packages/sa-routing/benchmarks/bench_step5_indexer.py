@@ -163,6 +163,12 @@ def bench_indexer(rows: list[dict], total: int, options: list[dict], profile: bo
     hist = (pos[0] // cfg.region_size)[meta.sparse_queries[0]]
     per_pair = 2 * cfg.index_heads * cfg.proxy_dim
     flops = per_pair * float(hist.sum())
+    if flops == 0:
+        raise SystemExit(
+            f"bench_step5_indexer: S={total} holds no sparse query (every query sees at most "
+            f"topk={cfg.topk} earlier regions of {cfg.region_size} tokens); use more than "
+            f"{cfg.topk * cfg.region_size} tokens"
+        )
     ideal_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
     shape = f"S={total} G4 H4 D256 topk512"
 
