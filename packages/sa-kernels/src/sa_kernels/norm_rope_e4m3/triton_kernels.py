@@ -23,9 +23,14 @@ def _rounded(x, ROUND_E4M3: tl.constexpr):
 
 
 @triton.jit
-def _normalised(x_rows, cols, mask, rstd, w_ptr, act):
-    """Columns `cols` of the rows, RMS-normalised and rounded to `act`, as FP32."""
-    x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _load(x_rows, cols, mask):
+    """Columns `cols` of the rows, as FP32."""
+    return tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normalised(x, cols, mask, rstd, w_ptr, act):
+    """x (columns `cols` of the rows) RMS-normalised and rounded to `act`, as FP32."""
     w = _scale(w_ptr, cols[None, :], mask, act, True, True)
     return (x * rstd[:, None] * w).to(act).to(tl.float32)
 
@@ -60,18 +65,18 @@ def _rms_norm_rope_e4m3_kernel(
 
     cols = tl.arange(0, BLOCK_C)
     mask = row_ok[:, None] & (cols < C)[None, :]
-    x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _load(x_rows, cols, mask)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / C + eps)
-    w = _scale(w_ptr, cols[None, :], mask, act, True, True)
-    y = (x * rstd[:, None] * w).to(act).to(tl.float32)
+    y = _normalised(x, cols, mask, rstd, w_ptr, act)
     plain = mask & (cols >= 2 * HALF)[None, :]
     tl.store(y_rows[:, None] + cols[None, :], _rounded(y, ROUND_E4M3).to(act), mask=plain)
 
     # the rotated channels, re-read (L1 hits) as the two halves of each pair
     pair = tl.arange(0, BLOCK_HALF)
     rope_mask = row_ok[:, None] & (pair < HALF)[None, :]
-    y1 = _normalised(x_rows, pair, rope_mask, rstd, w_ptr, act)
-    y2 = _normalised(x_rows, pair + HALF, rope_mask, rstd, w_ptr, act)
+    y1 = _normalised(_load(x_rows, pair, rope_mask), pair, rope_mask, rstd, w_ptr, act)
+    halves = pair + HALF
+    y2 = _normalised(_load(x_rows, halves, rope_mask), halves, rope_mask, rstd, w_ptr, act)
     angle_at = tokens.to(tl.int64)[:, None] * HALF + pair[None, :]
     cos = tl.load(cos_ptr + angle_at, mask=rope_mask, other=0.0)
     sin = tl.load(sin_ptr + angle_at, mask=rope_mask, other=0.0)

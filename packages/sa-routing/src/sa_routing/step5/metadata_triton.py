@@ -293,12 +293,13 @@ class DeviceMetadata:
         batch, length = pos.shape
         device = pos.device
         self.pos = pos.contiguous()
-        self.padding = None if padding is None else padding.contiguous().view(torch.int8)
+        self.has_padding = padding is not None
+        # the padding mask as int8, or (never read without padding) any pointer
+        self.pad = padding.contiguous().view(torch.int8) if self.has_padding else self.pos
         self.shape = (batch, length, query_start, queries, region_size, topk, tile_size)
         self.window = length + 1 if window is None else window  # wider than any segment
         self.chunks = triton.cdiv(queries, tile_size)
         self.block = triton.next_power_of_2(tile_size)
-        pad = self.padding if self.padding is not None else self.pos  # unread without padding
         self.documents = torch.empty_like(self.pos)
         self.token_regions = torch.empty_like(self.pos)
         summary = torch.zeros(SUMMARY + 4 * batch * self.chunks, dtype=torch.int64, device=device)
@@ -306,22 +307,21 @@ class DeviceMetadata:
         self.sparse = torch.empty(batch, queries, dtype=torch.bool, device=device)
         self.query_padding = torch.empty(batch, queries, dtype=torch.bool, device=device)
         self.chunk_starts = torch.empty(batch * self.chunks, dtype=torch.int64, device=device)
-        has_padding = self.padding is not None
         _token_scan_kernel[(batch,)](
             self.pos,
-            pad,
+            self.pad,
             self.documents,
             self.token_regions,
             summary,
             length,
             region_size,
-            HAS_PADDING=has_padding,
+            HAS_PADDING=self.has_padding,
             BLOCK=TOKEN_BLOCK,
             num_warps=4,
         )
         _query_chunk_kernel[(self.chunks, batch)](
             self.pos,
-            pad,
+            self.pad,
             self.token_regions,
             self.query_first_region,
             self.sparse.view(torch.int8),
@@ -337,7 +337,7 @@ class DeviceMetadata:
             region_size,
             topk,
             self.window,
-            HAS_PADDING=has_padding,
+            HAS_PADDING=self.has_padding,
             BLOCK=self.block,
             num_warps=1,
         )
@@ -350,15 +350,13 @@ class DeviceMetadata:
         regions, and (`with_segments`) the varlen segments' flat bounds."""
         batch, length, query_start, queries, region_size, topk, tile_size = self.shape
         device = self.pos.device
-        pad = self.padding if self.padding is not None else self.pos
-        has_padding = self.padding is not None
         slots = min(topk, count) + 1
         dense = torch.empty(batch, queries, slots, dtype=torch.int32, device=device)
         segments = torch.empty(5, max(segment_count, 1), dtype=torch.int64, device=device)
         prefix = torch.cumsum(self.chunk_starts, 0) - self.chunk_starts if with_segments else dense
         _query_rows_kernel[(self.chunks, batch)](
             self.pos,
-            pad,
+            self.pad,
             self.token_regions,
             self.query_first_region,
             self.sparse.view(torch.int8),
@@ -375,7 +373,7 @@ class DeviceMetadata:
             slots,
             self.window,
             segment_count,
-            HAS_PADDING=has_padding,
+            HAS_PADDING=self.has_padding,
             SEGMENTS=with_segments,
             BLOCK=self.block,
             SLOTS=min(SLOT_BLOCK, triton.next_power_of_2(slots)),
@@ -386,7 +384,7 @@ class DeviceMetadata:
         region_first = torch.full((batch, count), -1, dtype=torch.int64, device=device)
         _region_kernel[(triton.cdiv(length, REGION_BLOCK), batch)](
             self.pos,
-            pad,
+            self.pad,
             self.documents,
             self.token_regions,
             sources,
@@ -395,7 +393,7 @@ class DeviceMetadata:
             length,
             region_size,
             count,
-            HAS_PADDING=has_padding,
+            HAS_PADDING=self.has_padding,
             BLOCK=REGION_BLOCK,
             num_warps=4,
         )
