@@ -39,6 +39,8 @@ def test_triton_matches_reference_and_fills_a_nan_poisoned_out(case, dtype):
 
 
 def _config_id(cfg: dict) -> str:
+    if cfg.get("KERNEL") == "gluon":
+        return f"gluon-s{cfg['STAGES']}"
     tiles = "m{BLOCK_M}-r{BLOCK_R}".format(**cfg)
     launch = "w{num_warps}-s{num_stages}".format(**cfg)
     if cfg.get("KERNEL") == "resident":
@@ -299,7 +301,11 @@ def _pairwise(terms: list[float]) -> float:
     return float(level[0])
 
 
-GPU_CONFIGS = [triton_kernels.DEFAULT_CONFIG, triton_kernels._TILES_CONFIG]
+GPU_CONFIGS = [
+    triton_kernels.GLUON_CONFIG,
+    triton_kernels.DEFAULT_CONFIG,
+    triton_kernels._TILES_CONFIG,
+]
 
 
 @pytest.mark.parametrize("heads", [4, 8, 5])
@@ -552,7 +558,8 @@ def test_cuda_default_on_a_summary_tma_cannot_address_matches_reference(dtype):
 @pytest.mark.gpu
 def test_cuda_default_matches_reference_on_a_step5_like_tile_with_a_summary_slice():
     # Step-5 calls with many queries and a region slice `summary[:, c0:c1]` of the layer's summaries: the
-    # public call runs the resident kernel (TMA can address the slice).
+    # public call runs the Gluon kernel on SM90 GPUs, the resident kernel elsewhere (TMA can address the
+    # slice).
     query, weights, summary = _inputs(1, 1400, 4, 4, 256, 5000, device="cuda", seed=6)
     part = summary[:, 333:4461]
     assert triton_kernels.DEFAULT_CONFIG["KERNEL"] == "resident"
@@ -574,3 +581,91 @@ def test_cuda_tma_configs_read_a_two_batch_summary_slice_through_one_descriptor(
     _run_or_skip(query, weights, part, 9, 137, out, cfg)
     expected = reference.indexer_score_tile(query, weights, part, 9, 137)
     torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
+
+
+# (batch, queries, groups, heads, dim, regions): the Step-5 geometry with a ragged last region block,
+# padded heads (3 of 4) at dim 104 with two batch rows (TMA's zero fill pads dim to 128 in both
+# kernels), two heads at dim 64, one head.
+GLUON_SHAPES = [
+    (1, 300, 4, 4, 256, 4093),
+    (2, 90, 2, 3, 104, 333),
+    (1, 70, 3, 2, 64, 700),
+    (1, 50, 1, 1, 32, 129),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=lambda s: "B{}-Q{}-G{}-H{}-D{}-R{}".format(*s))
+@pytest.mark.parametrize("with_bounds", [False, True], ids=["all", "bounds"])
+@pytest.mark.parametrize(("stages", "programs"), [(None, None), (2, 7)], ids=["default", "s2-p7"])
+def test_cuda_gluon_kernel_equals_the_resident_kernel_bit_for_bit(
+    shape, with_bounds, stages, programs
+):
+    # The same tiles, row order, MMA shape and pairwise head sums as the Triton resident kernel (which
+    # runs where Gluon does not): the same bits, whichever program's run a segment falls in (7
+    # programs split segments) and however many summary blocks are in flight.
+    from sa_kernels.indexer_score import gluon_kernels
+
+    batch, queries, groups, heads, dim, regions = shape
+    query, weights, summary = _inputs(*shape, device="cuda", seed=8)
+    start, stop = 5, queries - 3
+    bounds = None
+    if with_bounds:  # random windows, some empty, some past every region
+        gen = torch.Generator().manual_seed(9)
+        first = torch.randint(-3, regions, (batch, stop - start), generator=gen)
+        past = first + torch.randint(-5, regions // 2, (batch, stop - start), generator=gen)
+        bounds = (first.cuda(), past.cuda())
+    assert gluon_kernels.applies(query, summary, triton_kernels.tma_addressable(summary))
+    resident = torch.full((batch, groups, stop - start, regions), float("nan"), device="cuda")
+    triton_kernels.indexer_score_tile(
+        query,
+        weights,
+        summary,
+        start,
+        stop,
+        resident,
+        bounds,
+        _config=triton_kernels.DEFAULT_CONFIG,
+    )
+    out = torch.full_like(resident, float("nan"))
+    gluon_kernels.indexer_score_tile(
+        query, weights, summary, start, stop - start, out, bounds, stages=stages, programs=programs
+    )
+    assert not out.isnan().any()
+    assert torch.equal(out, resident), (
+        f"max difference {(out - resident).abs().nan_to_num().max():.3g}"
+    )
+    expected = reference.indexer_score_tile(query, weights, summary, start, stop, bounds)
+    torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_public_call_runs_the_gluon_kernel_only_where_it_applies(monkeypatch):
+    from sa_kernels.indexer_score import gluon_kernels
+
+    ran = []
+    real = gluon_kernels.indexer_score_tile
+    monkeypatch.setattr(
+        gluon_kernels, "indexer_score_tile", lambda *a, **k: ran.append(1) or real(*a, **k)
+    )
+    query, weights, summary = _inputs(1, 40, 2, 4, 128, 300, device="cuda", seed=2)
+    indexer_score_tile(query, weights, summary, 0, 40)
+    assert ran == [1]
+    addressable = triton_kernels.tma_addressable
+    # not taken: 8 heads per group, float16, a summary TMA cannot address (2-byte offset), on the CPU
+    many_heads = _inputs(1, 40, 2, 8, 128, 300, device="cuda")
+    assert not gluon_kernels.applies(many_heads[0], many_heads[2], True)
+    assert not gluon_kernels.applies(query.half(), summary.half(), True)
+    padded = torch.empty(summary.numel() + 8, dtype=summary.dtype, device="cuda")
+    shifted = padded[1:].as_strided(summary.shape, summary.stride())  # a 2-byte aligned base
+    shifted.copy_(summary)
+    assert not addressable(shifted)
+    assert not gluon_kernels.applies(query, shifted, addressable(shifted))
+    assert not gluon_kernels.applies(query.cpu(), summary.cpu(), True)
+    for q, s_ in ((many_heads[0], many_heads[2]), (query.half(), summary.half()), (query, shifted)):
+        w = torch.randn(q.shape[:4], device="cuda")
+        got = indexer_score_tile(q, w, s_, 3, 33)
+        torch.testing.assert_close(
+            got, reference.indexer_score_tile(q, w, s_, 3, 33), atol=1e-3, rtol=1e-4
+        )
+    assert ran == [1]

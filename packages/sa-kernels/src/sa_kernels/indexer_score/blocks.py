@@ -34,7 +34,8 @@ def weighted_head_sum_store(
 
     The rows are ordered as `query_rows` lays them out, and the heads are summed in pairs, level by
     level ((h0 + h1) + (h2 + h3) ...): a sum of two is the same whichever thread adds it, so every
-    kernel and layout gives the same bits."""
+    kernel and layout gives the same bits, given that no product is fused into a sum
+    (`triton_kernels.FP_FUSION`)."""
     Q_LO: tl.constexpr = BLOCK_Q if BLOCK_Q < 4 else 4
     H_LO: tl.constexpr = HP if HP < 2 else 2
     H_HI: tl.constexpr = HP // H_LO

@@ -4,8 +4,10 @@ Each output tile multiplies `BLOCK_M = BLOCK_Q * HP` query-head rows by `BLOCK_R
 scales by the head weights and sums each query's heads in registers before storing `[BLOCK_Q, BLOCK_R]` scores.
 `HP` is heads_per_group rounded up to a power of two; padded heads load zeros and weight 0.
 
-Two kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
-- "resident" (the GPU default): a fixed number of programs ("PER_SM" per
+Kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
+- "gluon" (the GPU default, GLUON_CONFIG): `gluon_kernels`, the resident kernel's tiles and bits in a
+  warp-specialised Gluon kernel for SM90 GPUs; where it does not run, "resident".
+- "resident" (DEFAULT_CONFIG): a fixed number of programs ("PER_SM" per
   SM), each walking a contiguous run of tiles in (batch·group, query block, region block) order. A program loads its `[BLOCK_M, D]` query rows once
   per query block and streams only the summaries through a Hopper TMA descriptor: at BLOCK_M 128 it reads half the
   bytes per FLOP of "tiles". One dot over all of D (padded to a power of two, at most 256; 2-byte queries on the GPU).
@@ -16,6 +18,8 @@ Both accumulate the products in the same k order and share the epilogue (`blocks
 D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
+
+import functools
 
 import torch
 import triton
@@ -277,6 +281,10 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 # the GPU, and at Q 128 its GPU time beat the tiles kernel's 0.060 ms. (A FLOPs threshold that sent small calls
 # to the tiles kernel for their eager time was dropped.)
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
+# The GPU default: the warp-specialised Gluon kernel (`gluon_kernels`: the same tiles and bits, 1.3-1.5x
+# on the H200) where it runs (SM90, bfloat16, at most 4 heads per group, a TMA-addressable summary),
+# DEFAULT_CONFIG elsewhere. "STAGES": summary blocks in flight (None: `gluon_kernels.STAGES`).
+GLUON_CONFIG = {"KERNEL": "gluon", "STAGES": None}
 # The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring); the
 # default before the 18:56 sweep.
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
@@ -289,6 +297,7 @@ _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4
 # to re-check on another GPU or Triton. All give the default's bits. (Dropped as clear losers: the persistent
 # grid-stride tiles kernel, TMA score stores, and other tile shapes; resident 128 × 32 and 256 × 64 changed bits.)
 SWEEP_CONFIGS = [
+    GLUON_CONFIG,
     DEFAULT_CONFIG,
     _resident(128, 64, per_sm=1, warps=8, stages=4),  # 362.8 / 445.3
     _resident(128, 64, per_sm=2, warps=8, stages=1),  # 325.9 / 418.2: two programs share an SM
@@ -297,20 +306,27 @@ SWEEP_CONFIGS = [
 ]
 
 
-def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
-    """A 2-D TMA descriptor over summary's rows ([(B − 1)·batch_rows + R, D]) and the batch's row offset,
-    or (None, 0) where TMA cannot address it (16-byte alignment of base and row stride, uniform batch stride)."""
-    batch, regions, dim = summary.shape
+def tma_addressable(summary: torch.Tensor) -> bool:
+    """Whether a 2-D TMA descriptor can address summary's rows: 16-byte aligned base and row stride,
+    a row of at least 16 bytes, and a batch stride that is a whole number of rows."""
+    batch, _, dim = summary.shape
     ss_b, ss_r, _ = summary.stride()
     esz = summary.element_size()
-    if (
-        TensorDescriptor is None
-        or summary.data_ptr() % 16
+    return not (
+        summary.data_ptr() % 16
         or ss_r < dim
         or (ss_r * esz) % 16
         or dim * esz < 16
         or (batch > 1 and (ss_b <= 0 or ss_b % ss_r))
-    ):
+    )
+
+
+def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
+    """A 2-D TMA descriptor over summary's rows ([(B − 1)·batch_rows + R, D]) and the batch's row offset,
+    or (None, 0) where TMA cannot address it (`tma_addressable`)."""
+    batch, regions, dim = summary.shape
+    ss_b, ss_r, _ = summary.stride()
+    if TensorDescriptor is None or not tma_addressable(summary):
         return None, 0
     batch_rows = ss_b // ss_r if batch > 1 else 0
     rows = (batch - 1) * batch_rows + regions
@@ -324,6 +340,13 @@ def _bound_args(bounds, out) -> tuple:
     first, past = bounds
     return first, past, first.stride(0)
 
+
+FP_FUSION = False
+"""Every scoring kernel is compiled without FMA contraction (`enable_fp_fusion=FP_FUSION`): each head's
+weighted score is rounded before the pairwise sums, as the oracle rounds each product. Contracted,
+`w0 · x0 + w1 · x1` kept one product unrounded, and which one depended on the compiler's reduction
+order: the Gluon and the Triton resident kernel gave different bits at 2 heads per group (H200,
+2026-11-30) though equal ones at 4."""
 
 # CUDA's grid y (the tiles kernel's query blocks) stops at 65535 blocks.
 MAX_QUERY_BLOCKS = 65535
@@ -382,6 +405,7 @@ def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, int
         HAS_BOUNDS=bounds is not None,
         DOT_FP32=interpret,
         PRECISION=precision,
+        enable_fp_fusion=FP_FUSION,
         **cfg,
     )
 
@@ -440,8 +464,19 @@ def _launch_resident(
         PRECISION=precision,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        enable_fp_fusion=FP_FUSION,
     )
     return True
+
+
+@functools.cache
+def _gluon_kernels():
+    """`gluon_kernels`, or None where this Triton has no Gluon (or lacks a name it uses)."""
+    try:
+        from sa_kernels.indexer_score import gluon_kernels
+    except (ImportError, AttributeError):
+        return None
+    return gluon_kernels
 
 
 def _resident_runs(query: torch.Tensor, interpret: bool) -> bool:
@@ -479,8 +514,17 @@ def indexer_score_tile(
     elif interpret:
         cfg = dict(_INTERPRET_CONFIG)
     else:
-        cfg = dict(DEFAULT_CONFIG)
+        cfg = dict(GLUON_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
+    if kernel == "gluon":
+        gluon = _gluon_kernels()
+        if gluon is not None and gluon.applies(query, summary, tma_addressable(summary)):
+            gluon.indexer_score_tile(
+                query, weights, summary, start, n_q, out, bounds, stages=cfg.get("STAGES")
+            )
+            return out
+        cfg = dict(DEFAULT_CONFIG)  # the Triton resident kernel where the Gluon one does not run
+        kernel = cfg.pop("KERNEL")
     resident = kernel == "resident" and _resident_runs(query, interpret)
     if resident and _launch_resident(
         query, weights, summary, start, n_q, out, bounds, cfg, hp, interpret, precision
