@@ -9,10 +9,11 @@ runs about as long as its host launch. Baselines: the same-size BF16 GEMM throug
 
 Shapes: the issue's target tile (Q 128, G 4, H 4, D 256, R 16384) and a Step-5-like call (Q 2048 against the
 same 16384 regions); without `--quick` also R 4096, R 65536 and G 1 × H 16 at D 128.
-`--sweep` times SWEEP_CONFIGS of `indexer_score/triton_kernels.py` (the default, resident kernel and its closest
-rivals of the 2026-11-29 H200 sweep, the previous tiles default among them) on the two first shapes, checks each
-against the reference and for bit identity with DEFAULT_CONFIG, and prints the best per shape and the best over
-both (geometric mean of the speed-up over the default): if another config wins, it becomes DEFAULT_CONFIG.
+`--sweep` times SWEEP_CONFIGS of `indexer_score/triton_kernels.py` (the Gluon kernel, the resident kernel and
+its closest rivals of the 2026-11-29 H200 sweep, the previous tiles default among them) on the two first shapes,
+checks each against the reference and for bit identity with the public call's default (`default_config`:
+GLUON_CONFIG on SM90, DEFAULT_CONFIG elsewhere), and prints the best per shape and the best over both
+(geometric mean of the speed-up over that default): if another config wins, it should become the default.
 """
 
 import argparse
@@ -41,6 +42,9 @@ def _flops(batch: int, queries: int, groups: int, heads: int, dim: int, regions:
 
 
 def _config_name(cfg: dict) -> str:
+    if cfg.get("KERNEL") == "gluon":
+        stages = "default stages" if cfg["STAGES"] is None else f"s{cfg['STAGES']}"
+        return f"gluon (SM90, warp-specialised) {stages}"
     if cfg.get("KERNEL") == "resident":
         return (
             f"resident {cfg['BLOCK_M']}x{cfg['BLOCK_R']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -102,7 +106,7 @@ def _bench_shape(batch: int, queries: int, groups: int, heads: int, dim: int, re
         "vs_gemm": round(gemm_ms / ms, 3),
         "reference_ms": round(ref_ms, 4),
         "vs_reference": round(ref_ms / ms, 2),
-        "config": triton_kernels.DEFAULT_CONFIG,
+        "config": triton_kernels.default_config(query, summary),
     }
     print(
         f"{row['name']:<20} {row['shape']:<34} {ms:>8.4f} ms {row['tflops']:>6.1f} TFLOP/s"
@@ -120,10 +124,9 @@ def _sweep(
     """Time every SWEEP_CONFIGS entry at one shape; returns its rows, also appended to `all_rows` as measured."""
     query, weights, summary = _inputs(batch, queries, groups, heads, dim, regions)
     expected = reference.indexer_score_tile(query, weights, summary, 0, queries)
+    default_cfg = triton_kernels.default_config(query, summary)
     default = torch.empty_like(expected)
-    triton_kernels.indexer_score_tile(
-        query, weights, summary, 0, queries, default, _config=triton_kernels.DEFAULT_CONFIG
-    )
+    triton_kernels.indexer_score_tile(query, weights, summary, 0, queries, default)
     flops = _flops(batch, queries, groups, heads, dim, regions)
     shape = _shape_name(batch, queries, groups, heads, dim, regions)
     rows = []
@@ -154,6 +157,7 @@ def _sweep(
                 "matches_reference": ok,
                 "max_abs_err": max_err,
                 "same_bits_as_default": same_bits,
+                "is_default": cfg == default_cfg,
             }
         )
         all_rows.append(rows[-1])
@@ -173,14 +177,16 @@ def _sweep(
 def _best_overall(rows: list) -> None:
     """The config with the best geometric-mean speed-up over the default across the swept shapes."""
     by_shape: dict = {}
+    base_by_shape: dict = {}
     for row in rows:
         by_shape.setdefault(row["shape"], {})[json.dumps(row["config"], sort_keys=True)] = row
-    default_key = json.dumps(triton_kernels.DEFAULT_CONFIG, sort_keys=True)
+        if row["is_default"]:
+            base_by_shape[row["shape"]] = row
     scores = {}
     for key in {k for shape_rows in by_shape.values() for k in shape_rows}:
         ratios = []
-        for shape_rows in by_shape.values():
-            row, base = shape_rows.get(key), shape_rows.get(default_key)
+        for shape, shape_rows in by_shape.items():
+            row, base = shape_rows.get(key), base_by_shape.get(shape)
             if row is None or base is None or not row["matches_reference"]:
                 break
             ratios.append(base["ms"] / row["ms"])

@@ -1,5 +1,9 @@
 """indexer_score_tile: the fused Triton scoring kernel vs the reference, the formula itself, out=, errors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import triton
@@ -40,7 +44,7 @@ def test_triton_matches_reference_and_fills_a_nan_poisoned_out(case, dtype):
 
 def _config_id(cfg: dict) -> str:
     if cfg.get("KERNEL") == "gluon":
-        return f"gluon-s{cfg['STAGES']}"
+        return "gluon" if cfg["STAGES"] is None else f"gluon-s{cfg['STAGES']}"
     tiles = "m{BLOCK_M}-r{BLOCK_R}".format(**cfg)
     launch = "w{num_warps}-s{num_stages}".format(**cfg)
     if cfg.get("KERNEL") == "resident":
@@ -246,12 +250,27 @@ def _candidate_bounds(batch, n_q, regions, device="cpu", seed=0):
     return first.to(device), past.to(device)
 
 
+def test_candidate_bounds_with_different_batch_strides_match_the_reference():
+    # The kernels index `past` with `first`'s batch stride: a `past` sliced from a wider tensor
+    # (batch stride 16 against 8) once read the wrong row of its second batch (138 wrong cells).
+    query, weights, summary = _inputs(2, 20, 2, 4, 16, 40, seed=12)
+    first, past = _candidate_bounds(2, 8, 40, seed=12)
+    wide = torch.zeros(2, 16, dtype=torch.int64)
+    wide[:, :8] = past
+    bounds = (first, wide[:, :8])
+    got = indexer_score_tile(
+        query, weights, summary, 3, 11, candidate_bounds=bounds, backend="triton"
+    )
+    expected = reference.indexer_score_tile(query, weights, summary, 3, 11, (first, past))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
         dict(triton_kernels._INTERPRET_CONFIG),
         _resident(programs=4),
-        *triton_kernels.SWEEP_CONFIGS[:1],
+        triton_kernels.DEFAULT_CONFIG,
     ],
     ids=_config_id,
 )
@@ -562,8 +581,7 @@ def test_cuda_default_matches_reference_on_a_step5_like_tile_with_a_summary_slic
     # slice).
     query, weights, summary = _inputs(1, 1400, 4, 4, 256, 5000, device="cuda", seed=6)
     part = summary[:, 333:4461]
-    assert triton_kernels.DEFAULT_CONFIG["KERNEL"] == "resident"
-    assert triton_kernels._summary_descriptor(part, 64, 256)[0] is not None
+    assert triton_kernels.tma_addressable(part)
     got = indexer_score_tile(query, weights, part, 0, 1400)
     expected = reference.indexer_score_tile(query, weights, part, 0, 1400)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-5)
@@ -594,27 +612,41 @@ GLUON_SHAPES = [
 ]
 
 
+def _gluon_kernels_or_skip():
+    """`gluon_kernels` where it runs: an SM90 GPU and a Triton with Gluon (elsewhere the Triton kernels
+    score, and these tests have nothing to compare)."""
+    gluon = triton_kernels._gluon_kernels()
+    if gluon is None or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon scoring kernel runs on SM90 GPUs with a Triton that has Gluon")
+    return gluon
+
+
+def _windows(kind: str, batch: int, n_q: int, regions: int, device: str):
+    """Candidate windows: "random" (some empty, some past either end) or "causal" (first 0, past
+    growing with the query: later region blocks of early query blocks lie beyond every window)."""
+    gen = torch.Generator().manual_seed(9)
+    if kind == "random":
+        first = torch.randint(-3, regions, (batch, n_q), generator=gen)
+        past = first + torch.randint(-5, regions // 2, (batch, n_q), generator=gen)
+    else:
+        past = torch.linspace(1, regions, n_q).long().expand(batch, n_q).contiguous()
+        first = torch.zeros_like(past)
+    return first.to(device), past.to(device)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GLUON_SHAPES, ids=lambda s: "B{}-Q{}-G{}-H{}-D{}-R{}".format(*s))
-@pytest.mark.parametrize("with_bounds", [False, True], ids=["all", "bounds"])
+@pytest.mark.parametrize("windows", [None, "random", "causal"], ids=["all", "random", "causal"])
 @pytest.mark.parametrize(("stages", "programs"), [(None, None), (2, 7)], ids=["default", "s2-p7"])
-def test_cuda_gluon_kernel_equals_the_resident_kernel_bit_for_bit(
-    shape, with_bounds, stages, programs
-):
+def test_cuda_gluon_kernel_equals_the_resident_kernel_bit_for_bit(shape, windows, stages, programs):
     # The same tiles, row order, MMA shape and pairwise head sums as the Triton resident kernel (which
     # runs where Gluon does not): the same bits, whichever program's run a segment falls in (7
     # programs split segments) and however many summary blocks are in flight.
-    from sa_kernels.indexer_score import gluon_kernels
-
+    gluon_kernels = _gluon_kernels_or_skip()
     batch, queries, groups, heads, dim, regions = shape
     query, weights, summary = _inputs(*shape, device="cuda", seed=8)
     start, stop = 5, queries - 3
-    bounds = None
-    if with_bounds:  # random windows, some empty, some past every region
-        gen = torch.Generator().manual_seed(9)
-        first = torch.randint(-3, regions, (batch, stop - start), generator=gen)
-        past = first + torch.randint(-5, regions // 2, (batch, stop - start), generator=gen)
-        bounds = (first.cuda(), past.cuda())
+    bounds = None if windows is None else _windows(windows, batch, stop - start, regions, "cuda")
     assert gluon_kernels.applies(query, summary, triton_kernels.tma_addressable(summary))
     resident = torch.full((batch, groups, stop - start, regions), float("nan"), device="cuda")
     triton_kernels.indexer_score_tile(
@@ -641,8 +673,7 @@ def test_cuda_gluon_kernel_equals_the_resident_kernel_bit_for_bit(
 
 @pytest.mark.gpu
 def test_cuda_public_call_runs_the_gluon_kernel_only_where_it_applies(monkeypatch):
-    from sa_kernels.indexer_score import gluon_kernels
-
+    gluon_kernels = _gluon_kernels_or_skip()
     ran = []
     real = gluon_kernels.indexer_score_tile
     monkeypatch.setattr(
@@ -669,3 +700,53 @@ def test_cuda_public_call_runs_the_gluon_kernel_only_where_it_applies(monkeypatc
             got, reference.indexer_score_tile(q, w, s_, 3, 33), atol=1e-3, rtol=1e-4
         )
     assert ran == [1]
+
+
+_COMPILE_GLUON_SCORE_KERNEL = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from sa_kernels.indexer_score import gluon_kernels as m
+
+kernel = m._indexer_score_hopper_kernel
+pointers = {"q_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "first_ptr": "*i64",
+            "past_ptr": "*i64"}
+for heads, dp, bounds in ((4, 256, True), (2, 64, False)):
+    layout = gl.NVMMASharedLayout.get_default_for([m.BLOCK_R, dp], gl.bfloat16)
+    constants = {"HP": heads, "BLOCK_M": m.BLOCK_M, "BLOCK_R": m.BLOCK_R, "DP": dp,
+                 "HAS_BOUNDS": bounds, "STAGES": m.STAGES,
+                 "CONSUMER_REGISTERS": m.CONSUMER_REGISTERS,
+                 "PRODUCER_REGISTERS": m.PRODUCER_REGISTERS}
+    signature = {
+        name: "constexpr" if name in constants
+        else f"tensordesc<bf16[{m.BLOCK_R}, {dp}],{layout!r}>" if name == "s_desc"
+        else pointers.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": m.FP_FUSION})
+    assert compiled.asm["cubin"]
+    assert not re.search(r"fma[.]rn[.]f32", compiled.asm["ptx"]), "a fused multiply-add"
+print("compiled")
+"""
+
+
+def test_the_gluon_score_kernel_compiles_for_hopper_with_the_installed_triton():
+    """Offline, no GPU: the Gluon kernel goes through the installed Triton's whole pipeline to a
+    cubin for sm_90 (the GPU machine runs Triton 3.6, the lock file another: a TMA name that 3.9
+    removed once made it fail there), with no FMA in its PTX (FP_FUSION). In a subprocess without
+    TRITON_INTERPRET, which would turn the kernel into an interpreted one."""
+    pytest.importorskip("sa_kernels.indexer_score.gluon_kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE_GLUON_SCORE_KERNEL],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

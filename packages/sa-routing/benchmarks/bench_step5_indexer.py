@@ -248,11 +248,11 @@ def sweep_score_kernel(rows: list[dict]) -> None:
     from sa_kernels.indexer_score import triton_kernels as tk
 
     g, h, d = 4, 4, 256
-    print(f"score kernel sweep (default config: {tk.DEFAULT_CONFIG})")
     for n_q, regions in [(8440, 1567), (768, 16383)]:
         query = torch.randn(1, n_q, g, h, d, device=DEVICE).to(torch.float8_e4m3fn).bfloat16()
         weights = torch.randn(1, n_q, g, h, device=DEVICE)
         summary = torch.randn(1, regions, d, device=DEVICE).to(torch.float8_e4m3fn).bfloat16()
+        print(f"score kernel sweep (default config: {tk.default_config(query, summary)})")
         out = torch.empty(1, g, n_q, regions, device=DEVICE)
         flops = 2.0 * n_q * g * h * d * regions
         reference = None

@@ -138,7 +138,8 @@ def _checked_bounds(
     shape: tuple[int, int],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`candidate_bounds` validated, each with query stride 1 (what the kernels index)."""
+    """`candidate_bounds` validated, with query stride 1 and one batch stride for both (the kernels
+    index both with first's strides)."""
     if bounds is None:
         return None
     if (
@@ -158,7 +159,6 @@ def _checked_bounds(
                 f"got {list(t.shape)} on {t.device}"
             )
     first, past = bounds
-    return (
-        first if first.stride(-1) == 1 else first.contiguous(),
-        past if past.stride(-1) == 1 else past.contiguous(),
-    )
+    if first.stride(-1) != 1 or first.stride() != past.stride():
+        return first.contiguous(), past.contiguous()
+    return first, past

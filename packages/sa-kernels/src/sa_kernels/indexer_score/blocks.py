@@ -1,7 +1,7 @@
-"""What both scoring kernels share, per block of `BLOCK_Q` queries × `BLOCK_R` regions: which query-head
+"""What both Triton scoring kernels share, per block of `BLOCK_Q` queries × `BLOCK_R` regions: which query-head
 rows the block holds (`query_rows`), the queries' candidate windows (`query_bounds`, `window_blocks`), and the
 epilogue that turns the GEMM's accumulator into stored scores (`weighted_head_sum_store`, or `store_masked_block`
-where no window reaches)."""
+where no window reaches). `gluon_kernels` writes the same steps again in Gluon, which cannot call these."""
 
 import triton
 import triton.language as tl

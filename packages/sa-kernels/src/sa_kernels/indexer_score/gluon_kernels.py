@@ -30,14 +30,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sa_kernels.backend import sm_count, triton_interpret
-from sa_kernels.indexer_score.triton_kernels import FP_FUSION
+from sa_kernels.gluon_compat import tma_load
+from sa_kernels.indexer_score.triton_kernels import FP_FUSION, bound_args, summary_rows
 
 BLOCK_M = 128
 """Query-head rows per tile (two warpgroups of 64)."""
@@ -48,6 +48,10 @@ STAGES = 4
 0.384 / 0.383 ms."""
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
+"""Register budgets (setmaxnreg) of the worker partitions: the second consumer warpgroup and the
+producer warp, which only walks the tiles and issues TMA copies. The default partition (the first
+consumer) takes what is left: 256 in the offline PTX (Triton 3.6); 128 · 256 + 128 · 232 + 32 · 40
+registers fit the SM's 65 536."""
 
 
 @gluon.jit
@@ -62,6 +66,17 @@ def _segment(t, t_end, n_r, n_m, G):
 
 
 @gluon.jit
+def _clamped_bounds(first_ptr, past_ptr, sb_b, b, oq, n_q, R):
+    """Queries oq's candidate windows [first, past) clamped to [0, R], int32 (queries past n_q: an
+    empty window at 0), as `blocks.query_bounds`."""
+    first = gl.load(first_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
+    past = gl.load(past_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
+    first = gl.minimum(gl.maximum(first, 0), R).to(gl.int32)
+    past = gl.minimum(gl.maximum(past, 0), R).to(gl.int32)
+    return first, past
+
+
+@gluon.jit
 def _segment_window(
     first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, r_lo, r_hi, q_of_block,
     BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, HAS_BOUNDS: gl.constexpr,
@@ -72,11 +87,9 @@ def _segment_window(
     c_lo = r_lo
     c_hi = r_hi
     if HAS_BOUNDS:
-        oq = pid_q * BLOCK_Q + q_of_block
-        first = gl.load(first_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
-        past = gl.load(past_ptr + b * sb_b + oq, mask=oq < n_q, other=0)
-        first = gl.minimum(gl.maximum(first, 0), R).to(gl.int32)
-        past = gl.minimum(gl.maximum(past, 0), R).to(gl.int32)
+        first, past = _clamped_bounds(
+            first_ptr, past_ptr, sb_b, b, pid_q * BLOCK_Q + q_of_block, n_q, R
+        )
         c_lo = gl.minimum(gl.maximum(r_lo, gl.min(first, axis=0) // BLOCK_R), r_hi)
         c_hi = gl.maximum(gl.minimum(r_hi, gl.cdiv(gl.max(past, axis=0), BLOCK_R)), c_lo)
     return c_lo, c_hi
@@ -105,7 +118,7 @@ def _head_sum(weighted, HP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_R: gl.con
     H_HI: gl.constexpr = HP // H_LO
     Q_HI: gl.constexpr = BLOCK_Q // Q_LO
     x = gl.sum(gl.reshape(weighted, [Q_HI, H_LO, H_HI, Q_LO, BLOCK_R]), axis=1)
-    for level in gl.static_range(1, 7):  # H_HI <= 64: any power-of-two HP up to 128
+    for level in gl.static_range(1, 7):  # H_HI <= 64, as in the Triton kernels
         if (H_HI >> level) >= 1:
             x = gl.sum(gl.reshape(x, [Q_HI, H_HI >> level, 2, Q_LO, BLOCK_R]), axis=2)
     return gl.reshape(x, [BLOCK_Q, BLOCK_R])
@@ -135,9 +148,7 @@ def _producer(
             # the first pass over the ring finds every stage free (parity 1 of a fresh barrier)
             mbarrier.wait(free.index(stage), ((issued // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), s_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                s_desc, [row0 + pid_r * BLOCK_R, 0], ready.index(stage), s_smem.index(stage)
-            )
+            tma_load(s_desc, [row0 + pid_r * BLOCK_R, 0], ready.index(stage), s_smem.index(stage))
             issued += 1
         t += r_hi - r_lo
 
@@ -232,10 +243,7 @@ def _consumer(
         row_ok = oq < n_q
         out_rows = out_ptr + b * so_b + g * so_g + oq.to(gl.int64) * so_q
         if HAS_BOUNDS:
-            first = gl.load(first_ptr + b * sb_b + oq, mask=row_ok, other=0)
-            past = gl.load(past_ptr + b * sb_b + oq, mask=row_ok, other=0)
-            first = gl.minimum(gl.maximum(first, 0), R).to(gl.int32)
-            past = gl.minimum(gl.maximum(past, 0), R).to(gl.int32)
+            first, past = _clamped_bounds(first_ptr, past_ptr, sb_b, b, oq, n_q, R)
             _store_minus_inf(out_rows, row_ok, cols, r_lo, c_lo, R, score_layout)
             _store_minus_inf(out_rows, row_ok, cols, c_hi, r_hi, R, score_layout)
         else:
@@ -371,14 +379,14 @@ def applies(query: torch.Tensor, summary: torch.Tensor, tma_addressable: bool) -
 
 
 def _summary_descriptor(summary: torch.Tensor, dp: int) -> tuple[TensorDescriptor, int]:
-    """Gluon's TMA descriptor over summary's rows and the batch's row offset, laid out as
-    `triton_kernels._summary_descriptor` (the caller has checked that TMA can address them)."""
-    batch, regions, dim = summary.shape
-    ss_b, ss_r, _ = summary.stride()
-    batch_rows = ss_b // ss_r if batch > 1 else 0
-    rows = (batch - 1) * batch_rows + regions
+    """Gluon's TMA descriptor over summary's rows and the batch's row offset (`summary_rows`; the
+    caller has checked that TMA can address them)."""
+    rows, batch_rows = summary_rows(summary)
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_R, dp], gl.bfloat16)
-    return TensorDescriptor(summary, [rows, dim], [ss_r, 1], [BLOCK_R, dp], layout), batch_rows
+    row_stride = summary.stride(1)
+    return TensorDescriptor(
+        summary, [rows, summary.shape[2]], [row_stride, 1], [BLOCK_R, dp], layout
+    ), batch_rows
 
 
 def indexer_score_tile(
@@ -406,12 +414,11 @@ def indexer_score_tile(
         programs = sm_count(query.device.index)
     tiles_per_program = triton.cdiv(n_tiles, programs)
     desc, batch_rows = _summary_descriptor(summary, dp)
-    first, past = bounds if bounds is not None else (out, out)  # unread without bounds
+    first, past, bounds_batch_stride = bound_args(bounds, out)
     _indexer_score_hopper_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query, weights, desc, out, first, past,
         start, n_q, regions, dim, heads, groups, n_tiles, tiles_per_program, batch_rows,
-        *query.stride()[:4], *weights.stride(), first.stride(0) if bounds is not None else 0,
-        *out.stride()[:3],
+        *query.stride()[:4], *weights.stride(), bounds_batch_stride, *out.stride()[:3],
         HP=hp, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, DP=dp, HAS_BOUNDS=bounds is not None,
         STAGES=STAGES if stages is None else stages, CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS, num_warps=4,

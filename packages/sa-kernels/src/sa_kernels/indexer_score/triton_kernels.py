@@ -14,7 +14,9 @@ Kernels, picked by the launch config's "KERNEL" entry (never by autotuning):
 - "tiles": one program per output tile, D walked in `BLOCK_D` steps; both operands reloaded for every tile. It runs
   where "resident" cannot (D > 256, float32 query on the GPU, a summary layout TMA cannot address: 16-byte aligned
   base and row stride, a batch stride that is a whole number of rows) and under the interpreter.
-Both accumulate the products in the same k order and share the epilogue (`blocks`); their bits were equal on the H200 where
+The two Triton kernels accumulate the products in the same k order and share the epilogue (`blocks`); the
+Gluon kernel copies it (a Gluon kernel cannot call `triton.jit` functions) and gave the resident kernel's bits
+on the H200 at every shape tested. The two Triton kernels' bits were equal on the H200 where
 D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_kernel_bit_for_bit`), which matters
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
@@ -271,7 +273,8 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
     }
 
 
-# One fixed launch config (no autotuning, so the summation order, hence every bit, is the same on every run).
+# The Triton resident kernel's one fixed launch config (no autotuning, so the summation order, hence every bit,
+# is the same on every run); the GPU default where the Gluon kernel does not run.
 # H200 sweep of 2026-11-29 18:56 UTC (torch 2.11, Triton 3.6, `bench_indexer_score.py --quick --sweep`, G4 H4 D256
 # R16384): resident 128 × 64, 8 warps, 3 stages, 1 program per SM, TMA summary loads: 368.4 TFLOP/s at Q 128 and
 # 457.7 at Q 2048, against 289 and 339.1 for the tiles kernel at 128 × 128 × 64 (1.31× over both shapes, same bits).
@@ -293,8 +296,8 @@ _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, 
 _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
 
 
-# The default and its closest rivals in that sweep (TFLOP/s at Q 128 / Q 2048), for `bench_indexer_score.py --sweep`
-# to re-check on another GPU or Triton. All give the default's bits. (Dropped as clear losers: the persistent
+# The Gluon kernel, then DEFAULT_CONFIG and its closest rivals in the 18:56 sweep (TFLOP/s at Q 128 / Q 2048), for
+# `bench_indexer_score.py --sweep` to re-check on another GPU or Triton. All give DEFAULT_CONFIG's bits. (Dropped as clear losers: the persistent
 # grid-stride tiles kernel, TMA score stores, and other tile shapes; resident 128 × 32 and 256 × 64 changed bits.)
 SWEEP_CONFIGS = [
     GLUON_CONFIG,
@@ -321,20 +324,28 @@ def tma_addressable(summary: torch.Tensor) -> bool:
     )
 
 
-def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
-    """A 2-D TMA descriptor over summary's rows ([(B − 1)·batch_rows + R, D]) and the batch's row offset,
-    or (None, 0) where TMA cannot address it (`tma_addressable`)."""
-    batch, regions, dim = summary.shape
+def summary_rows(summary: torch.Tensor) -> tuple[int, int]:
+    """`(rows, batch_rows)` of summary seen as one 2-D matrix of rows, [(B − 1)·batch_rows + R, D]:
+    batch b's region r is row `b · batch_rows + r` (TMA descriptors address it so)."""
+    batch, regions, _ = summary.shape
     ss_b, ss_r, _ = summary.stride()
+    batch_rows = ss_b // ss_r if batch > 1 else 0
+    return (batch - 1) * batch_rows + regions, batch_rows
+
+
+def _summary_descriptor(summary: torch.Tensor, block_r: int, dp: int):
+    """A 2-D TMA descriptor over `summary_rows` and the batch's row offset, or (None, 0) where TMA
+    cannot address them (`tma_addressable`)."""
     if TensorDescriptor is None or not tma_addressable(summary):
         return None, 0
-    batch_rows = ss_b // ss_r if batch > 1 else 0
-    rows = (batch - 1) * batch_rows + regions
-    return TensorDescriptor(summary, [rows, dim], [ss_r, 1], [block_r, dp]), batch_rows
+    rows, batch_rows = summary_rows(summary)
+    dim, row_stride = summary.shape[2], summary.stride(1)
+    return TensorDescriptor(summary, [rows, dim], [row_stride, 1], [block_r, dp]), batch_rows
 
 
-def _bound_args(bounds, out) -> tuple:
-    """The kernels' `first_ptr, past_ptr` and batch stride: the bounds, or `out` as an unread placeholder."""
+def bound_args(bounds, out) -> tuple:
+    """The kernels' `first_ptr, past_ptr` and their one batch stride (the public call gives both
+    bounds the same strides): the bounds, or `out` as an unread placeholder."""
     if bounds is None:
         return out, out, 0
     first, past = bounds
@@ -376,7 +387,7 @@ def _launch_tiles(query, weights, summary, start, n_q, out, bounds, cfg, hp, int
             )
             _launch_tiles(query, weights, summary, *args)
         return
-    first, past, bounds_batch_stride = _bound_args(bounds, out)
+    first, past, bounds_batch_stride = bound_args(bounds, out)
     grid = (
         triton.cdiv(regions, cfg["BLOCK_R"]),
         triton.cdiv(n_q, cfg["BLOCK_M"] // hp),
@@ -433,7 +444,7 @@ def _launch_resident(
     desc, batch_rows = _summary_descriptor(summary, block_r, dp)
     if desc is None:
         return False
-    first, past, bounds_batch_stride = _bound_args(bounds, out)
+    first, past, bounds_batch_stride = bound_args(bounds, out)
     _indexer_score_resident_kernel[(triton.cdiv(n_tiles, tiles_per_program),)](
         query,
         weights,
@@ -469,6 +480,15 @@ def _launch_resident(
     return True
 
 
+def default_config(query: torch.Tensor, summary: torch.Tensor) -> dict:
+    """The launch config `indexer_score_tile` runs on these GPU inputs without `_config`:
+    GLUON_CONFIG where the Gluon kernel applies, else DEFAULT_CONFIG (for the benchmarks' labels)."""
+    gluon = _gluon_kernels()
+    if gluon is not None and gluon.applies(query, summary, tma_addressable(summary)):
+        return GLUON_CONFIG
+    return DEFAULT_CONFIG
+
+
 @functools.cache
 def _gluon_kernels():
     """`gluon_kernels`, or None where this Triton has no Gluon (or lacks a name it uses)."""
@@ -498,7 +518,8 @@ def indexer_score_tile(
     """Writes `out` [B, G, stop − start, R]; `bounds` = the public `candidate_bounds` (int64 [B, stop − start]
     each, query stride 1) or None. `_config` (e.g. a SWEEP_CONFIGS entry) is for the sweep and tests.
 
-    The GPU runs DEFAULT_CONFIG, the interpreter `_INTERPRET_CONFIG`. A "resident" config where that kernel
+    The GPU runs GLUON_CONFIG (DEFAULT_CONFIG where the Gluon kernel does not apply), the interpreter
+    `_INTERPRET_CONFIG`. A "resident" config where that kernel
     cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
     when interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200
     test on such a layout, 2026-11-29 19:03 UTC, and was removed).
