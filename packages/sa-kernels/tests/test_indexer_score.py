@@ -647,7 +647,7 @@ def test_cuda_gluon_kernel_equals_the_resident_kernel_bit_for_bit(shape, windows
     query, weights, summary = _inputs(*shape, device="cuda", seed=8)
     start, stop = 5, queries - 3
     bounds = None if windows is None else _windows(windows, batch, stop - start, regions, "cuda")
-    assert gluon_kernels.applies(query, summary, triton_kernels.tma_addressable(summary))
+    assert gluon_kernels.applies(query, summary)
     resident = torch.full((batch, groups, stop - start, regions), float("nan"), device="cuda")
     triton_kernels.indexer_score_tile(
         query,
@@ -682,17 +682,16 @@ def test_cuda_public_call_runs_the_gluon_kernel_only_where_it_applies(monkeypatc
     query, weights, summary = _inputs(1, 40, 2, 4, 128, 300, device="cuda", seed=2)
     indexer_score_tile(query, weights, summary, 0, 40)
     assert ran == [1]
-    addressable = triton_kernels.tma_addressable
     # not taken: 8 heads per group, float16, a summary TMA cannot address (2-byte offset), on the CPU
     many_heads = _inputs(1, 40, 2, 8, 128, 300, device="cuda")
-    assert not gluon_kernels.applies(many_heads[0], many_heads[2], True)
-    assert not gluon_kernels.applies(query.half(), summary.half(), True)
+    assert not gluon_kernels.applies(many_heads[0], many_heads[2])
+    assert not gluon_kernels.applies(query.half(), summary.half())
     padded = torch.empty(summary.numel() + 8, dtype=summary.dtype, device="cuda")
     shifted = padded[1:].as_strided(summary.shape, summary.stride())  # a 2-byte aligned base
     shifted.copy_(summary)
-    assert not addressable(shifted)
-    assert not gluon_kernels.applies(query, shifted, addressable(shifted))
-    assert not gluon_kernels.applies(query.cpu(), summary.cpu(), True)
+    assert not triton_kernels.tma_addressable(shifted)
+    assert not gluon_kernels.applies(query, shifted)
+    assert not gluon_kernels.applies(query.cpu(), summary.cpu())
     for q, s_ in ((many_heads[0], many_heads[2]), (query.half(), summary.half()), (query, shifted)):
         w = torch.randn(q.shape[:4], device="cuda")
         got = indexer_score_tile(q, w, s_, 3, 33)

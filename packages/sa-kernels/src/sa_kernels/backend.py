@@ -28,6 +28,12 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once (kernel dispatch checks it on every call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 

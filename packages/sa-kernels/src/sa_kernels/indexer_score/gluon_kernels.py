@@ -22,8 +22,6 @@ elsewhere the Triton kernels do. Gluon kernels cannot call `triton.jit` function
 the row order and the head sum are written again here (`blocks.py` holds the Triton ones).
 """
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -35,9 +33,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from sa_kernels.backend import sm_count, triton_interpret
+from sa_kernels.backend import device_capability, sm_count, triton_interpret
 from sa_kernels.gluon_compat import tma_load
-from sa_kernels.indexer_score.triton_kernels import FP_FUSION, bound_args, summary_rows
+from sa_kernels.indexer_score.triton_kernels import (
+    FP_FUSION,
+    bound_args,
+    summary_rows,
+    tma_addressable,
+)
 
 BLOCK_M = 128
 """Query-head rows per tile (two warpgroups of 64)."""
@@ -356,25 +359,20 @@ head sum of 8 padded heads spilled 152 bytes at dim 256, and 16 to 64 heads 220-
 and 4 heads do not spill."""
 
 
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
-def applies(query: torch.Tensor, summary: torch.Tensor, tma_addressable: bool) -> bool:
+def applies(query: torch.Tensor, summary: torch.Tensor) -> bool:
     """Whether this kernel scores these inputs: CUDA on an SM90 GPU (not the interpreter), bfloat16
     query and summary, 16 <= dim <= 256, at most MAX_HEADS heads per group, and a summary TMA can
-    address (`tma_addressable`, the caller's check)."""
+    address (`tma_addressable`)."""
     if not query.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
     _, _, _, heads, dim = query.shape
     return (
-        tma_addressable
+        tma_addressable(summary)
         and query.dtype == torch.bfloat16
         and summary.dtype == torch.bfloat16
         and 16 <= dim <= 256
         and triton.next_power_of_2(heads) <= MAX_HEADS
-        and _is_sm90(query.device.index)
+        and device_capability(query.device.index) == (9, 0)
     )
 
 

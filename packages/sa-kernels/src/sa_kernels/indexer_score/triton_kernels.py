@@ -483,10 +483,7 @@ def _launch_resident(
 def default_config(query: torch.Tensor, summary: torch.Tensor) -> dict:
     """The launch config `indexer_score_tile` runs on these GPU inputs without `_config`:
     GLUON_CONFIG where the Gluon kernel applies, else DEFAULT_CONFIG (for the benchmarks' labels)."""
-    gluon = _gluon_kernels()
-    if gluon is not None and gluon.applies(query, summary, tma_addressable(summary)):
-        return GLUON_CONFIG
-    return DEFAULT_CONFIG
+    return GLUON_CONFIG if _gluon_for(query, summary) is not None else DEFAULT_CONFIG
 
 
 @functools.cache
@@ -497,6 +494,12 @@ def _gluon_kernels():
     except (ImportError, AttributeError):
         return None
     return gluon_kernels
+
+
+def _gluon_for(query: torch.Tensor, summary: torch.Tensor):
+    """`gluon_kernels` where it scores these inputs (`gluon_kernels.applies`), else None."""
+    gluon = _gluon_kernels()
+    return gluon if gluon is not None and gluon.applies(query, summary) else None
 
 
 def _resident_runs(query: torch.Tensor, interpret: bool) -> bool:
@@ -538,8 +541,8 @@ def indexer_score_tile(
         cfg = dict(GLUON_CONFIG)
     kernel = cfg.pop("KERNEL", "tiles")
     if kernel == "gluon":
-        gluon = _gluon_kernels()
-        if gluon is not None and gluon.applies(query, summary, tma_addressable(summary)):
+        gluon = _gluon_for(query, summary)
+        if gluon is not None:
             gluon.indexer_score_tile(
                 query, weights, summary, start, n_q, out, bounds, stages=cfg.get("STAGES")
             )

@@ -2,7 +2,13 @@
 
 import torch
 
-from sa_kernels.backend import check_out, has_triton, resolve_backend, triton_interpret
+from sa_kernels.backend import (
+    check_out,
+    device_capability,
+    has_triton,
+    resolve_backend,
+    triton_interpret,
+)
 
 __all__ = [
     "TRITON_MAX_ROW",
@@ -186,7 +192,7 @@ def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     `2k <= 1024`, the other rows of 1024 to 4095 entries held whole)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
-    if torch.cuda.get_device_capability(rows.device)[0] != 9:
+    if device_capability(rows.device.index)[0] != 9:
         return False
     try:
         from . import gluon_kernels
