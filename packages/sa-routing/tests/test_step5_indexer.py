@@ -186,6 +186,11 @@ def test_rotary_rotates_half_split_pairs_of_the_leading_dims_only() -> None:
     inplace = x.clone()
     assert rope.rotate_(inplace, positions) is inplace
     assert torch.equal(inplace, out)
+    # the frequencies are computed once per device, and again for another theta
+    assert rope.inverse_frequencies(x.device) is rope.inverse_frequencies(x.device)
+    rope.theta = 500.0
+    assert torch.equal(rope(x, positions), reference_rope(x, positions, 8, 500.0))
+    assert not torch.equal(rope(x, positions), out)
 
 
 def test_summaries_pool_each_region_with_a_softmax_over_its_valid_tokens() -> None:

@@ -14,7 +14,10 @@ from .rotary import Step5IndexerRotaryEmbedding
 from .selection import select_regions_dense, select_regions_tiled
 from .summaries import summarize_regions
 
-SUMMARY_CHUNK_REGIONS = 4096
+SUMMARY_CHUNK_REGIONS = 16384
+"""Regions summarised per call of `summarize_regions` (about 50 KB of temporaries per region): each
+call is some twenty small launches, whose host time the GPU waited for at the start of a forward
+(4096 took 0.99 ms of host time at 65 536 tokens on the H200's host, docs/benchmarks.md)."""
 
 
 class Step5SparseIndexer(nn.Module):
@@ -82,10 +85,16 @@ class Step5SparseIndexer(nn.Module):
         """E4M3-rounded queries [B, S, G, H, proxy_dim] widened to BF16 (SEMANTICS §1.2, whatever the
         activation dtype) and FP32 weights [B, S, G, H]."""
         self._check_hidden("project_queries", hidden, positions)
+        return self._project_queries(hidden, *self.rotary.cos_sin(positions))
+
+    def _project_queries(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project_queries` with the rotary `cos_sin` of the rows' positions given (FP32
+        [B, S, rope_dim / 2] each): a forward computes them once for all its spans."""
         cfg = self.config
         batch, tokens = hidden.shape[:2]
         groups, heads, dim = cfg.num_provider_groups, cfg.heads_per_group, cfg.proxy_dim
-        cos, sin = self.rotary.cos_sin(positions)
         query = rms_norm_rope_e4m3(
             self.q_proj(hidden).reshape(batch * tokens, groups * heads, dim),
             self.q_norm.weight,
@@ -166,8 +175,12 @@ class Step5SparseIndexer(nn.Module):
         if options.get("_mark") is not None:
             options["_mark"]("summaries")
 
+        # the queries' rotary angles once for every span (each span's own took four launches)
+        cos, sin = self.rotary.cos_sin(positions)
+
         def tile_inputs(b: int, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.project_queries(hidden[b : b + 1, q0:q1], positions[b : b + 1, q0:q1])
+            rows = (slice(b, b + 1), slice(q0, q1))
+            return self._project_queries(hidden[rows], cos[rows], sin[rows])
 
         ids = select_regions_tiled(
             tile_inputs, cfg.num_provider_groups, summary, metadata, **options

@@ -35,12 +35,20 @@ class Step5IndexerRotaryEmbedding(nn.Module):
             )
         self.rope_dim = rope_dim
         self.theta = theta
+        self._frequencies: dict[tuple, torch.Tensor] = {}
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
-        exponent = (
-            torch.arange(0, self.rope_dim, 2, dtype=torch.float32, device=device) / self.rope_dim
-        )
-        return 1.0 / (self.theta**exponent)
+        """FP32 [rope_dim / 2] `theta ** (-2d / rope_dim)`, computed on `device` (its own pow) once
+        per device: four launches that every call of `cos_sin` repeated."""
+        key = (torch.device(device), self.rope_dim, self.theta)
+        frequencies = self._frequencies.get(key)
+        if frequencies is None:
+            exponent = (
+                torch.arange(0, self.rope_dim, 2, dtype=torch.float32, device=device)
+                / self.rope_dim
+            )
+            frequencies = self._frequencies[key] = 1.0 / (self.theta**exponent)
+        return frequencies
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.rotate_(x.clone(), positions)

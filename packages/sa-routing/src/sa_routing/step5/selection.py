@@ -251,8 +251,9 @@ def _tile_topk(
     """
     b, q0, q1, r0, r1 = tile
     topk = metadata.topk
-    first = metadata.query_first_region[b : b + 1, q0:q1]
-    current = metadata.current[b : b + 1, q0:q1]
+    if first_bounds is None or method == "composite" or r1 - r0 > region_chunk:
+        first = metadata.query_first_region[b : b + 1, q0:q1]
+        current = metadata.current[b : b + 1, q0:q1]
     best_scores: torch.Tensor | None = None
     best_ids: torch.Tensor | None = None
     offset = 0

@@ -26,8 +26,12 @@ def gather_region_payload(
     """
     _check_payload_args("gather_region_payload", keys, logits, sources, valid)
     batch, length, dim = keys.shape
-    rows = sources.clamp(min=0).to(torch.int64)
-    rows = rows + torch.arange(batch, device=keys.device).view(batch, 1, 1) * length
+    rows = sources.clamp(min=0)  # index_select takes int32 rows as they are
+    if batch > 1:
+        rows = (
+            rows.to(torch.int64)
+            + torch.arange(batch, device=keys.device).view(batch, 1, 1) * length
+        )
     flat = rows.reshape(-1)
     key_rows = keys.reshape(batch * length, dim).index_select(0, flat).view(*sources.shape, dim)
     logit_rows = logits.reshape(batch * length, dim).index_select(0, flat).view(*sources.shape, dim)
