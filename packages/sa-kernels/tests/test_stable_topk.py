@@ -352,6 +352,77 @@ def test_out_is_checked_and_named():
     assert torch.equal(stable_topk(scores, 1, out=column), reference.stable_topk(scores, 1))
 
 
+def _with_lengths(scores, k, seed):
+    """Row lengths over every case (0, below k, k, inside, n, past n; rows with a random one), and
+    the scores with large values past them, which `lengths` must make -inf."""
+    *lead, n = scores.shape
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, n + 1, lead, generator=generator)
+    flat = lengths.view(-1)
+    cases = [0, max(k - 1, 0), k, n // 2, n, n + 5]
+    flat[: len(cases)] = torch.tensor(cases[: flat.numel()])
+    lengths = lengths.to(scores.device)
+    positions = torch.arange(n, device=scores.device)
+    noisy = torch.where(positions >= lengths.unsqueeze(-1), 1000.0, scores.float()).to(scores.dtype)
+    masked = torch.where(positions >= lengths.unsqueeze(-1), float("-inf"), scores.float())
+    return noisy, lengths, reference.stable_topk(masked.to(scores.dtype), k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("n", "k"), [(40, 5), (5000, 7), (300, 300)], ids=["short", "long", "k=n"])
+def test_lengths_make_each_row_minus_inf_past_its_length(n, k, backend):
+    scores = _tied_scores((3, 4, n), torch.float32, seed=n + k)
+    noisy, lengths, expected = _with_lengths(scores, k, seed=n)
+    for given in (lengths, lengths.int()):
+        assert torch.equal(stable_topk(noisy, k, lengths=given, backend=backend), expected)
+    # the same lengths for every row of a dim: an expanded view; and along another dim
+    row = lengths[:1]
+    expected_rows = stable_topk(noisy[:1].expand(3, 4, n), k, lengths=row.expand(3, 4))
+    assert torch.equal(
+        stable_topk(noisy[:1].expand(3, 4, n), k, lengths=row.expand(3, 4), backend=backend),
+        expected_rows,
+    )
+    moved = stable_topk(noisy.movedim(-1, 1), k, dim=1, lengths=lengths, backend=backend)
+    assert torch.equal(moved, expected.movedim(-1, 1))
+    out = torch.full((3, 4, k + 1), -7, dtype=torch.int32)
+    stable_topk(noisy, k, lengths=lengths, out=out[..., :k], offset=10, backend=backend)
+    assert torch.equal(out[..., :k], (expected + 10).int()) and bool((out[..., k] == -7).all())
+
+
+def test_lengths_are_checked_and_named():
+    scores = torch.randn(2, 3, 50)
+    with pytest.raises(ValueError, match=r"lengths must be int32 or int64 of shape \(2, 3\)"):
+        stable_topk(scores, 4, lengths=torch.full((2, 3), 7.0))
+    with pytest.raises(ValueError, match=r"of shape \(2, 3\) \(scores' shape without dim\)"):
+        stable_topk(scores, 4, lengths=torch.full((2, 50), 7))
+    with pytest.raises(ValueError, match=r"of shape \(2, 50\)"):
+        stable_topk(scores, 2, dim=1, lengths=torch.full((2, 3), 7))
+    with pytest.raises(TypeError, match="lengths must be a tensor or None"):
+        stable_topk(scores, 4, lengths=[7, 7])
+    wide = torch.full((2, 7, 3, 8), 7)[:, :5:2, :, 0]  # no two dims merge
+    with pytest.raises(ValueError, match="lengths's leading dims must be viewable"):
+        stable_topk(torch.randn(2, 3, 3, 50), 4, lengths=wide)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(16383, 512), (8192, 512), (3000, 100), (2049, 3), (2048, 512), (4095, 700), (600, 9)],
+)
+def test_cuda_lengths_on_every_kernel(n, k):
+    """The Gluon prefilter and whole-row kernels read only up to each row's length (large values
+    past it must not be kept); Triton's walk (600 entries) takes the masked copy."""
+    for name, rows in _row_kinds(48, n, k, "cuda").items():
+        for dtype in (torch.float32, torch.bfloat16):
+            noisy, lengths, expected = _with_lengths(rows.to(dtype).view(4, 12, n), k, seed=n)
+            got = stable_topk(noisy, k, lengths=lengths)
+            assert torch.equal(got, expected), (name, dtype)
+            out = torch.empty(4, 12, k + 1, dtype=torch.int32, device="cuda")
+            stable_topk(noisy, k, lengths=lengths[:, :1].expand(4, 12), out=out[..., :k])
+            want = stable_topk(noisy, k, lengths=lengths[:, :1].expand(4, 12).contiguous())
+            assert torch.equal(out[..., :k].long(), want), (name, dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), [(16383, 512), (3000, 100), (2048, 512), (600, 9)])
 def test_cuda_out_and_offset_on_every_kernel(n, k):
@@ -439,11 +510,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sa_kernels.stable_topk import gluon_kernels as m
 
-pointers = {"scores_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i32"}
+pointers = {"scores_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i32", "lengths_ptr": "*i64"}
 for kernel, constants in (
     (m._stable_topk_prefilter_kernel, {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4}),
     (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4}),
+    (m._stable_topk_prefilter_kernel, {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4, "HAS_LENGTHS": True}),
+    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4, "HAS_LENGTHS": True}),
 ):
+    constants = {"HAS_LENGTHS": False, **constants}
     signature = {
         name: "constexpr" if name in constants else pointers.get(name, "i32")
         for name in kernel.arg_names

@@ -53,6 +53,7 @@ def stable_topk(
     k: int,
     dim: int = -1,
     *,
+    lengths: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     offset: int = 0,
     backend: str = "auto",
@@ -82,6 +83,12 @@ def stable_topk(
             makes the result unspecified); `n = scores.shape[dim] < 2**30`.
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
+        lengths: optional int32/int64 row lengths, `scores`' shape without `dim` (any strides, e.g.
+            an expanded view; its dims viewable as at most two, as `out`'s): a row's entries at or
+            past its length count as -inf, whatever they hold (a length past n is n; below k, the
+            lowest positions past it fill the row's k). The Gluon kernels do not load them (rows
+            whose tails are -inf anyway cost only their lengths); the other paths take a masked
+            copy of the scores.
         out: int32 or int64 [..., k] (`scores`' shape with `k` along the last dim, which `dim` must
             be), last-dim stride 1, no two elements in the same memory, its other dims viewable as
             at most two with any strides, not overlapping `scores`; written in place (e.g. the first
@@ -98,7 +105,8 @@ def stable_topk(
         ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
             float64 tensor or rows longer than 32768; `out` of another shape, dtype or device, with
             a last-dim stride other than 1, overlapping elements or more than two other dims that
-            cannot be merged, or with `dim` not the last; `offset + n` beyond int32.
+            cannot be merged, or with `dim` not the last; `offset + n` beyond int32; `lengths` of
+            another shape, dtype or device.
         RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
@@ -125,6 +133,8 @@ def stable_topk(
             f"{fn}: offset and offset + n must lie in int32's range; got offset {offset}, n {n}"
         )
     addressing = None if out is None else _out_rows(fn, out, scores, dim, k)
+    rows_shape = (*scores.shape[: dim % scores.dim()], *scores.shape[dim % scores.dim() + 1 :])
+    lengths_addressing = None if lengths is None else _lengths_rows(fn, lengths, rows_shape, scores)
     resolved = resolve_backend(fn, backend, scores)
     use_triton = _runs_kernel(resolved, scores.dtype, n)
     if backend == "triton" and not use_triton:
@@ -145,10 +155,25 @@ def stable_topk(
                 rows = rows.contiguous()
             if gluon_kernel_applies(rows, k):
                 from .gluon_kernels import stable_topk_rows
+
+                chosen = stable_topk_rows(
+                    rows,
+                    k,
+                    out=out,
+                    addressing=addressing,
+                    offset=offset,
+                    lengths=lengths,
+                    lengths_addressing=lengths_addressing,
+                )
             else:
                 from .triton_kernels import stable_topk_rows
-            chosen = stable_topk_rows(rows, k, out=out, addressing=addressing, offset=offset)
+
+                if lengths is not None:
+                    rows = _masked_past(rows, lengths.reshape(-1))
+                chosen = stable_topk_rows(rows, k, out=out, addressing=addressing, offset=offset)
             return out if out is not None else chosen.view(*last.shape[:-1], k).movedim(-1, dim)
+        if lengths is not None:
+            last = _masked_past(last, lengths)
         chosen = _threshold_topk(last, k)
         if out is not None:
             out.copy_(chosen + offset)
@@ -169,8 +194,17 @@ def _out_rows(fn: str, out: object, scores: torch.Tensor, dim: int, k: int) -> t
         raise ValueError(f"{fn}: out must be int32 or int64; got {out.dtype}")
     # rows that overlap would be written by several programs at once
     check_out(fn, out, (*scores.shape[:-1], k), out.dtype, scores.device, padded_rows=True)
-    merged: list[list[int]] = []  # [size, stride] of the leading dims, adjacent ones merged
-    for size, stride in zip(out.shape[:-1], out.stride()[:-1], strict=True):
+    return _merged_rows(fn, "out", out.shape[:-1], out.stride()[:-1])
+
+
+def _merged_rows(
+    fn: str, name: str, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """`(inner, stride_outer, stride_inner)` addressing row r of the dims `shape` with `strides`
+    at `(r // inner) * stride_outer + (r % inner) * stride_inner`: adjacent dims merged from their
+    strides (stride-0 dims of an expanded view too), at most two left."""
+    merged: list[list[int]] = []  # [size, stride], adjacent dims merged
+    for size, stride in zip(shape, strides, strict=True):
         if size == 1:
             continue
         if merged and merged[-1][1] == size * stride:
@@ -179,10 +213,35 @@ def _out_rows(fn: str, out: object, scores: torch.Tensor, dim: int, k: int) -> t
             merged.append([size, stride])
     if len(merged) > 2:
         raise ValueError(
-            f"{fn}: out's leading dims must be viewable as at most two dims; got strides {out.stride()}"
+            f"{fn}: {name}'s leading dims must be viewable as at most two dims; got strides {strides}"
         )
     (_, stride_outer), (inner, stride_inner) = [[1, 0]] * (2 - len(merged)) + merged
     return inner, stride_outer, stride_inner
+
+
+def _lengths_rows(
+    fn: str, lengths: object, rows_shape: tuple[int, ...], scores: torch.Tensor
+) -> tuple[int, int, int]:
+    """Check `lengths`; where the kernels read row r's length (`_merged_rows`)."""
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"{fn}: lengths must be a tensor or None; got {type(lengths).__name__}")
+    if (
+        lengths.dtype not in (torch.int32, torch.int64)
+        or tuple(lengths.shape) != rows_shape
+        or lengths.device != scores.device
+    ):
+        raise ValueError(
+            f"{fn}: lengths must be int32 or int64 of shape {rows_shape} (scores' shape without "
+            f"dim) on {scores.device}; got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}"
+        )
+    return _merged_rows(fn, "lengths", lengths.shape, lengths.stride())
+
+
+def _masked_past(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A copy of scores [..., n] with -inf at the positions at or past each row's length (lengths
+    [...], scores' leading shape)."""
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    return scores.masked_fill(positions >= lengths.unsqueeze(-1), float("-inf"))
 
 
 def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:

@@ -141,26 +141,26 @@ def _walk_start(low, high):
 
 
 @gluon.jit
-def _chunk_keys(row, positions, n):
-    """Keys of the row's entries at positions [WARPS, 32, RUN]; positions at or past n get key 0."""
-    in_row = positions < n
-    scores = gl.load(row + positions, mask=in_row, other=0.0).to(gl.float32)
-    return gl.where(in_row, _keys_of(scores), 0)
+def _chunk_keys(row, positions, n, read):
+    """Keys of the row's entries at positions [WARPS, 32, RUN]: those at or past `read` (<= n) are
+    not loaded and get -inf's key, those at or past n key 0 (below every entry)."""
+    scores = gl.load(row + positions, mask=positions < read, other=float("-inf")).to(gl.float32)
+    return gl.where(positions < n, _keys_of(scores), 0)
 
 
 @gluon.jit
-def _count_reaching(row, offsets, n, candidate, CHUNK: gl.constexpr):
+def _count_reaching(row, offsets, n, read, candidate, CHUNK: gl.constexpr):
     """How many keys of the row reach `candidate` (>= 1)."""
     count = gl.zeros([], gl.int32)
     for start in range(0, n, CHUNK):
-        keys = _chunk_keys(row, start + offsets, n)
+        keys = _chunk_keys(row, start + offsets, n, read)
         count += _total((keys >= candidate).to(gl.int32))
     return count
 
 
 @gluon.jit
 def _store_kept_streamed(
-    row, out, offset, offsets, n, k, threshold, above_total, CHUNK: gl.constexpr
+    row, out, offset, offsets, n, read, k, threshold, above_total, CHUNK: gl.constexpr
 ):
     """Re-read the row and store, ascending, the positions of its keys above `threshold` and of the
     first `k - above_total` keys equal to it."""
@@ -169,7 +169,7 @@ def _store_kept_streamed(
     kept_seen = gl.zeros([], gl.int32)
     for start in range(0, n, CHUNK):
         positions = start + offsets
-        keys = _chunk_keys(row, positions, n)
+        keys = _chunk_keys(row, positions, n, read)
         tied = ((keys == threshold) & (positions < n)).to(gl.int32)
         tied_prefix, tied_total = _exclusive_prefix(tied)
         kept = ((keys > threshold) | ((tied != 0) & (tied_seen + tied_prefix < still_needed))).to(
@@ -194,9 +194,10 @@ def _compact_above(slots, positions, scores, bound_score, above_bound, k):
 
 
 @gluon.jit
-def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr):
-    """`stable_topk` of one row (see the module docstring). Chunks of MAXIMA entries; the full ones
-    are read without bounds checks, the last partial one with them."""
+def _prefilter_row(row, out, offset, slots, offsets, n, read, k, MAXIMA: gl.constexpr):
+    """`stable_topk` of one row of n entries, of which those at or past `read` are -inf and not
+    loaded (see the module docstring; `read < n` only where n is k, below MAXIMA). Chunks of MAXIMA
+    entries; the full ones are read without bounds checks, the last partial one with them."""
     full = n - n % MAXIMA
     # Group g = positions g, g + MAXIMA, ...: thread t keeps the maxima of groups t * RUN ...
     maxima = gl.full(offsets.shape, float("-inf"), gl.float32, offsets.type.layout)
@@ -204,7 +205,7 @@ def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr)
         maxima = gl.maximum(maxima, gl.load(row + start + offsets).to(gl.float32))
     if full < n:
         positions = full + offsets
-        tail = gl.load(row + positions, mask=positions < n, other=float("-inf"))
+        tail = gl.load(row + positions, mask=positions < read, other=float("-inf"))
         maxima = gl.maximum(maxima, tail.to(gl.float32))
     maxima_keys = _keys_of(maxima)
     # Any prefix that k maxima reach is a bound: the walk stops once at most k + k/8 reach it, 9 to
@@ -226,7 +227,7 @@ def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr)
         above_bound = _compact_above(slots, positions, scores, bound_score, above_bound, k)
     if full < n:
         positions = full + offsets
-        scores = gl.load(row + positions, mask=positions < n, other=float("-inf"))
+        scores = gl.load(row + positions, mask=positions < read, other=float("-inf"))
         above_bound = _compact_above(slots, positions, scores, bound_score, above_bound, k)
     cta_barrier()  # the compacted positions are visible to every thread
 
@@ -250,7 +251,7 @@ def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr)
         gl.store(out + slot, (positions + offset).to(out.dtype.element_ty), mask=kept != 0)
     elif above_bound < k:
         # at least k keys reach `bound` (k maxima do) and fewer pass it: it is the k-th largest key
-        _store_kept_streamed(row, out, offset, offsets, n, k, bound, above_bound, MAXIMA)
+        _store_kept_streamed(row, out, offset, offsets, n, read, k, bound, above_bound, MAXIMA)
     else:
         # more than 2k above the bound (ties, or a bound left low): the walk re-reads the row for
         # each step, from the common top bits of the smallest key above the bound and the largest
@@ -261,20 +262,22 @@ def _prefilter_row(row, out, offset, slots, offsets, n, k, MAXIMA: gl.constexpr)
             searching = shift >= 0
             while searching:
                 candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
-                reaching = _count_reaching(row, offsets, n, candidate, MAXIMA)
+                reaching = _count_reaching(row, offsets, n, read, candidate, MAXIMA)
                 prefix = gl.where(reaching >= k, candidate, prefix)
                 shift -= 1
                 searching = (shift >= 0) & (reaching != k)
             threshold = prefix
-        above_threshold = _count_reaching(row, offsets, n, threshold + 1, MAXIMA)
-        _store_kept_streamed(row, out, offset, offsets, n, k, threshold, above_threshold, MAXIMA)
+        above_threshold = _count_reaching(row, offsets, n, read, threshold + 1, MAXIMA)
+        _store_kept_streamed(
+            row, out, offset, offsets, n, read, k, threshold, above_threshold, MAXIMA
+        )
 
 
 @gluon.jit
-def _whole_row(row, out, offset, offsets, n, k):
-    """`stable_topk` of a row held whole (offsets [WARPS, 32, RUN] cover it): the walk over every key,
-    then the kept positions, ascending."""
-    keys = _chunk_keys(row, offsets, n)
+def _whole_row(row, out, offset, offsets, n, read, k):
+    """`stable_topk` of a row held whole (offsets [WARPS, 32, RUN] cover it; entries at or past
+    `read` are -inf): the walk over every key, then the kept positions, ascending."""
+    keys = _chunk_keys(row, offsets, n, read)
     threshold = _kth_key_from(keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32), 0)
     above = (keys > threshold).to(gl.int32)
     tied = ((keys == threshold) & (offsets < n)).to(gl.int32)
@@ -304,7 +307,39 @@ def _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner):
     )
 
 
-_ADDRESSING = ["out_inner", "out_stride_outer", "out_stride_inner", "offset"]
+@gluon.jit
+def _row_extent(
+    lengths_ptr,
+    row64,
+    len_inner,
+    len_stride_outer,
+    len_stride_inner,
+    n,
+    k,
+    HAS_LENGTHS: gl.constexpr,
+):
+    """`(n_row, read)`: the entries the row's walk covers and those it loads. With lengths: `read`
+    is the row's length clamped to [0, n] (the rest is -inf) and the walk covers at least k
+    entries (the kept -inf ones come from the lowest positions); else both are n."""
+    if HAS_LENGTHS:
+        at = (row64 // len_inner) * len_stride_outer + (row64 % len_inner) * len_stride_inner
+        read = gl.minimum(gl.maximum(gl.load(lengths_ptr + at), 0), n).to(gl.int32)
+        n_row = gl.maximum(read, k)
+    else:
+        read = n
+        n_row = n
+    return n_row, read
+
+
+_ADDRESSING = [
+    "out_inner",
+    "out_stride_outer",
+    "out_stride_inner",
+    "offset",
+    "len_inner",
+    "len_stride_outer",
+    "len_stride_inner",
+]
 """Arguments that vary per call (not specialised: one compiled kernel serves every call)."""
 
 
@@ -312,6 +347,7 @@ _ADDRESSING = ["out_inner", "out_stride_outer", "out_stride_inner", "offset"]
 def _stable_topk_whole_row_kernel(
     scores_ptr,
     out_ptr,
+    lengths_ptr,
     n,
     k,
     stride_row,
@@ -319,13 +355,20 @@ def _stable_topk_whole_row_kernel(
     out_stride_outer,
     out_stride_inner,
     offset,
+    len_inner,
+    len_stride_outer,
+    len_stride_inner,
     RUN: gl.constexpr,
     WARPS: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
 ):
     offsets = _chunk_offsets(RUN, WARPS)
     row64 = gl.program_id(0).to(gl.int64)
     out = _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner)
-    _whole_row(scores_ptr + row64 * stride_row, out, offset, offsets, n, k)
+    n_row, read = _row_extent(
+        lengths_ptr, row64, len_inner, len_stride_outer, len_stride_inner, n, k, HAS_LENGTHS
+    )
+    _whole_row(scores_ptr + row64 * stride_row, out, offset, offsets, n_row, read, k)
 
 
 @gluon.jit(do_not_specialize=[*_ADDRESSING, "slot_stride"])
@@ -333,6 +376,7 @@ def _stable_topk_prefilter_kernel(
     scores_ptr,
     out_ptr,
     slots_ptr,
+    lengths_ptr,
     n_rows,
     n,
     k,
@@ -342,21 +386,29 @@ def _stable_topk_prefilter_kernel(
     out_stride_inner,
     slot_stride,
     offset,
+    len_inner,
+    len_stride_outer,
+    len_stride_inner,
     MAXIMA: gl.constexpr,
     RUN: gl.constexpr,
     WARPS: gl.constexpr,
+    HAS_LENGTHS: gl.constexpr,
 ):
     offsets = _chunk_offsets(RUN, WARPS)
     # rows in a grid-stride loop: the launch bounds the rows in flight (and so the L2 they need)
     for row_id in range(gl.program_id(0), n_rows, gl.num_programs(0)):
         row64 = row_id.to(gl.int64)
+        n_row, read = _row_extent(
+            lengths_ptr, row64, len_inner, len_stride_outer, len_stride_inner, n, k, HAS_LENGTHS
+        )
         _prefilter_row(
             scores_ptr + row64 * stride_row,
             _out_row(out_ptr, row64, out_inner, out_stride_outer, out_stride_inner),
             offset,
             slots_ptr + row64 * slot_stride,
             offsets,
-            n,
+            n_row,
+            read,
             k,
             MAXIMA,
         )
@@ -395,13 +447,18 @@ def stable_topk_rows(
     out: torch.Tensor | None = None,
     addressing: tuple[int, int, int] | None = None,
     offset: int = 0,
+    lengths: torch.Tensor | None = None,
+    lengths_addressing: tuple[int, int, int] | None = None,
 ):
     """`triton_kernels.stable_topk_rows` through this kernel (rows where `applies`; no validation).
 
     scores: [rows, n] float32/bfloat16/float16 on an SM90 GPU, last-dim stride 1. `out`,
     `addressing`, `offset`:
     as `triton_kernels.stable_topk_rows` (None: a new int64 [rows, k]); returns it, ascending
-    positions (+ offset) per row. `programs_per_sm`: programs per SM, each looping over rows (None:
+    positions (+ offset) per row. `lengths`: optional int32/int64 row lengths, row r's at
+    `(r // inner) * stride_outer + (r % inner) * stride_inner` for `lengths_addressing = (inner,
+    stride_outer, stride_inner)`: entries at or past a row's length count as -inf and are not
+    loaded. `programs_per_sm`: programs per SM, each looping over rows (None:
     one program per row); `whole_row_warps`, `prefilter_warps`: warps per row of the two kernels
     (the sweep's knobs; the results do not change)."""
     rows, n = scores.shape
@@ -409,19 +466,28 @@ def stable_topk_rows(
     out, slots, addressing = output_rows(out, addressing, rows, k, scores.device, not whole)
     if rows == 0:
         return out
+    has_lengths = lengths is not None
+    if has_lengths:
+        assert lengths_addressing is not None
+        length_args = (lengths, *lengths_addressing)
+    else:
+        length_args = (out, 1, 0, 0)  # an unread placeholder
     if whole:  # held whole: RUN adjacent entries per thread cover it
         warps = whole_row_warps
         block = max(32 * warps, triton.next_power_of_2(n))
         _stable_topk_whole_row_kernel[(rows,)](
             scores,
             out,
+            length_args[0],
             n,
             k,
             scores.stride(0),
             *addressing[:3],  # no slots: the row is walked in registers
             offset,
+            *length_args[1:],
             RUN=block // (32 * warps),
             WARPS=warps,
+            HAS_LENGTHS=has_lengths,
             num_warps=warps,
         )
         return out
@@ -434,15 +500,18 @@ def stable_topk_rows(
         scores,
         out,
         slots,
+        length_args[0],
         rows,
         n,
         k,
         scores.stride(0),
         *addressing,
         offset,
+        *length_args[1:],
         MAXIMA=MAXIMA,
         RUN=MAXIMA // (32 * prefilter_warps),
         WARPS=prefilter_warps,
+        HAS_LENGTHS=has_lengths,
         num_warps=prefilter_warps,
     )
     return out
