@@ -376,12 +376,10 @@ def test_lengths_make_each_row_minus_inf_past_its_length(n, k, backend):
     for given in (lengths, lengths.int()):
         assert torch.equal(stable_topk(noisy, k, lengths=given, backend=backend), expected)
     # the same lengths for every row of a dim: an expanded view; and along another dim
-    row = lengths[:1]
-    expected_rows = stable_topk(noisy[:1].expand(3, 4, n), k, lengths=row.expand(3, 4))
-    assert torch.equal(
-        stable_topk(noisy[:1].expand(3, 4, n), k, lengths=row.expand(3, 4), backend=backend),
-        expected_rows,
+    same_rows = stable_topk(
+        noisy[:1].expand(3, 4, n), k, lengths=lengths[:1].expand(3, 4), backend=backend
     )
+    assert torch.equal(same_rows, expected[:1].expand(3, 4, k))
     moved = stable_topk(noisy.movedim(-1, 1), k, dim=1, lengths=lengths, backend=backend)
     assert torch.equal(moved, expected.movedim(-1, 1))
     out = torch.full((3, 4, k + 1), -7, dtype=torch.int32)
@@ -399,9 +397,11 @@ def test_lengths_are_checked_and_named():
         stable_topk(scores, 2, dim=1, lengths=torch.full((2, 3), 7))
     with pytest.raises(TypeError, match="lengths must be a tensor or None"):
         stable_topk(scores, 4, lengths=[7, 7])
-    wide = torch.full((2, 7, 3, 8), 7)[:, :5:2, :, 0]  # no two dims merge
-    with pytest.raises(ValueError, match="lengths's leading dims must be viewable"):
-        stable_topk(torch.randn(2, 3, 3, 50), 4, lengths=wide)
+    # dims that no two strides merge are taken too (the Gluon kernels get a contiguous copy)
+    wide = torch.randint(0, 60, (2, 7, 3, 8))[:, :5:2, :, 0]
+    scores = torch.randn(2, 3, 3, 50)
+    masked = torch.where(torch.arange(50) >= wide.unsqueeze(-1), float("-inf"), scores)
+    assert torch.equal(stable_topk(scores, 4, lengths=wide), reference.stable_topk(masked, 4))
 
 
 @pytest.mark.gpu
@@ -411,16 +411,18 @@ def test_lengths_are_checked_and_named():
 )
 def test_cuda_lengths_on_every_kernel(n, k):
     """The Gluon prefilter and whole-row kernels read only up to each row's length (large values
-    past it must not be kept); Triton's walk (600 entries) takes the masked copy."""
+    past it must not be kept); Triton's walk (600 entries) takes the masked copy. Int64 and int32
+    lengths, and the selection's layout: one length per query, expanded over the groups."""
     for name, rows in _row_kinds(48, n, k, "cuda").items():
         for dtype in (torch.float32, torch.bfloat16):
             noisy, lengths, expected = _with_lengths(rows.to(dtype).view(4, 12, n), k, seed=n)
-            got = stable_topk(noisy, k, lengths=lengths)
-            assert torch.equal(got, expected), (name, dtype)
+            assert torch.equal(stable_topk(noisy, k, lengths=lengths), expected), (name, dtype)
+            assert torch.equal(stable_topk(noisy, k, lengths=lengths.int()), expected), name
+            per_query = lengths[:1].expand(4, 12)  # strides (0, 1)
+            shared = noisy[:1].expand(4, 12, n).contiguous()
             out = torch.empty(4, 12, k + 1, dtype=torch.int32, device="cuda")
-            stable_topk(noisy, k, lengths=lengths[:, :1].expand(4, 12), out=out[..., :k])
-            want = stable_topk(noisy, k, lengths=lengths[:, :1].expand(4, 12).contiguous())
-            assert torch.equal(out[..., :k].long(), want), (name, dtype)
+            stable_topk(shared, k, lengths=per_query, out=out[..., :k], offset=3)
+            assert torch.equal(out[..., :k].long(), expected[:1].expand(4, 12, k) + 3), name
 
 
 @pytest.mark.gpu

@@ -43,7 +43,8 @@ def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device
     entries of `dtype` on `device`: 0 on the Triton kernel path (it reads the scores in place), else
     the PyTorch path's int32 keys, mask and top-k scratch. For callers that size chunks of scores.
     Per row (not per entry) the result takes k positions, and with `out=` the kernels' 2k int32
-    slots."""
+    slots. With `lengths`, every path but the Gluon kernels' also takes a masked copy of the
+    scores (a score and a mask byte more per entry), which this does not count."""
     resolved = "triton" if torch.device(device).type == "cuda" and has_triton() else "reference"
     return 0 if _runs_kernel(resolved, dtype, n) else _TORCH_PATH_BYTES_PER_ENTRY
 
@@ -83,12 +84,12 @@ def stable_topk(
             makes the result unspecified); `n = scores.shape[dim] < 2**30`.
         k: how many positions to keep, `0 <= k <= n`.
         dim: the dimension to select along.
-        lengths: optional int32/int64 row lengths, `scores`' shape without `dim` (any strides, e.g.
-            an expanded view; its dims viewable as at most two, as `out`'s): a row's entries at or
-            past its length count as -inf, whatever they hold (a length past n is n; below k, the
-            lowest positions past it fill the row's k). The Gluon kernels do not load them (rows
-            whose tails are -inf anyway cost only their lengths); the other paths take a masked
-            copy of the scores.
+        lengths: optional int32/int64 row lengths, `scores`' shape without `dim`, any strides (an
+            expanded view too): a row's entries at or past its length count as -inf, whatever they
+            hold (a negative length counts as 0, one past n as n; below k, the lowest positions
+            past it fill the row's k). The Gluon kernels do not load those entries (a row whose
+            tail is -inf anyway is read only up to its length); the other paths take a masked copy
+            of the scores.
         out: int32 or int64 [..., k] (`scores`' shape with `k` along the last dim, which `dim` must
             be), last-dim stride 1, no two elements in the same memory, its other dims viewable as
             at most two with any strides, not overlapping `scores`; written in place (e.g. the first
@@ -106,7 +107,7 @@ def stable_topk(
             float64 tensor or rows longer than 32768; `out` of another shape, dtype or device, with
             a last-dim stride other than 1, overlapping elements or more than two other dims that
             cannot be merged, or with `dim` not the last; `offset + n` beyond int32; `lengths` of
-            another shape, dtype or device.
+            another shape, dtype or device (TypeError: not a tensor).
         RuntimeError: backend="triton" on CPU without `TRITON_INTERPRET=1`.
     """
     fn = "stable_topk"
@@ -133,8 +134,9 @@ def stable_topk(
             f"{fn}: offset and offset + n must lie in int32's range; got offset {offset}, n {n}"
         )
     addressing = None if out is None else _out_rows(fn, out, scores, dim, k)
-    rows_shape = (*scores.shape[: dim % scores.dim()], *scores.shape[dim % scores.dim() + 1 :])
-    lengths_addressing = None if lengths is None else _lengths_rows(fn, lengths, rows_shape, scores)
+    if lengths is not None:
+        rows_shape = (*scores.shape[: dim % scores.dim()], *scores.shape[dim % scores.dim() + 1 :])
+        _check_lengths(fn, lengths, rows_shape, scores)
     resolved = resolve_backend(fn, backend, scores)
     use_triton = _runs_kernel(resolved, scores.dtype, n)
     if backend == "triton" and not use_triton:
@@ -156,6 +158,12 @@ def stable_topk(
             if gluon_kernel_applies(rows, k):
                 from .gluon_kernels import stable_topk_rows
 
+                lengths_addressing = None
+                if lengths is not None:
+                    lengths_addressing = _merged_rows(lengths.shape, lengths.stride())
+                    if lengths_addressing is None:  # dims that do not merge: a small copy
+                        lengths = lengths.reshape(-1)
+                        lengths_addressing = (lengths.numel(), 0, 1)
                 chosen = stable_topk_rows(
                     rows,
                     k,
@@ -194,15 +202,18 @@ def _out_rows(fn: str, out: object, scores: torch.Tensor, dim: int, k: int) -> t
         raise ValueError(f"{fn}: out must be int32 or int64; got {out.dtype}")
     # rows that overlap would be written by several programs at once
     check_out(fn, out, (*scores.shape[:-1], k), out.dtype, scores.device, padded_rows=True)
-    return _merged_rows(fn, "out", out.shape[:-1], out.stride()[:-1])
+    addressing = _merged_rows(out.shape[:-1], out.stride()[:-1])
+    if addressing is None:
+        raise ValueError(
+            f"{fn}: out's leading dims must be viewable as at most two dims; got strides {out.stride()}"
+        )
+    return addressing
 
 
-def _merged_rows(
-    fn: str, name: str, shape: tuple[int, ...], strides: tuple[int, ...]
-) -> tuple[int, int, int]:
+def _merged_rows(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, int] | None:
     """`(inner, stride_outer, stride_inner)` addressing row r of the dims `shape` with `strides`
     at `(r // inner) * stride_outer + (r % inner) * stride_inner`: adjacent dims merged from their
-    strides (stride-0 dims of an expanded view too), at most two left."""
+    strides (stride-0 dims of an expanded view too); None where more than two are left."""
     merged: list[list[int]] = []  # [size, stride], adjacent dims merged
     for size, stride in zip(shape, strides, strict=True):
         if size == 1:
@@ -212,17 +223,14 @@ def _merged_rows(
         else:
             merged.append([size, stride])
     if len(merged) > 2:
-        raise ValueError(
-            f"{fn}: {name}'s leading dims must be viewable as at most two dims; got strides {strides}"
-        )
+        return None
     (_, stride_outer), (inner, stride_inner) = [[1, 0]] * (2 - len(merged)) + merged
     return inner, stride_outer, stride_inner
 
 
-def _lengths_rows(
+def _check_lengths(
     fn: str, lengths: object, rows_shape: tuple[int, ...], scores: torch.Tensor
-) -> tuple[int, int, int]:
-    """Check `lengths`; where the kernels read row r's length (`_merged_rows`)."""
+) -> None:
     if not isinstance(lengths, torch.Tensor):
         raise TypeError(f"{fn}: lengths must be a tensor or None; got {type(lengths).__name__}")
     if (
@@ -234,7 +242,6 @@ def _lengths_rows(
             f"{fn}: lengths must be int32 or int64 of shape {rows_shape} (scores' shape without "
             f"dim) on {scores.device}; got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}"
         )
-    return _merged_rows(fn, "lengths", lengths.shape, lengths.stride())
 
 
 def _masked_past(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -246,12 +253,13 @@ def _masked_past(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
-    scores: an SM90 GPU (where it was measured), a Triton with Gluon, not the interpreter, and rows
+    float32/bfloat16/float16 scores: an SM90 GPU (where it was measured), a Triton with Gluon, not
+    the interpreter, and rows
     the Gluon kernels take (`gluon_kernels.applies`: 2049 to 32768 entries narrowed where
     `2k <= 1024`, the other rows of 1024 to 4095 entries held whole)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
-    if device_capability(rows.device.index)[0] != 9:
+    if rows.dtype not in _TRITON_DTYPES or device_capability(rows.device.index)[0] != 9:
         return False
     try:
         from . import gluon_kernels

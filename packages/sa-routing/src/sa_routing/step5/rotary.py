@@ -39,15 +39,22 @@ class Step5IndexerRotaryEmbedding(nn.Module):
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
         """FP32 [rope_dim / 2] `theta ** (-2d / rope_dim)`, computed on `device` (its own pow) once
-        per device: four launches that every call of `cos_sin` repeated."""
-        key = (torch.device(device), self.rope_dim, self.theta)
+        per device: four launches that every call of `cos_sin` repeated. The tensor is shared
+        between calls: read it, do not modify it."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, self.rope_dim, self.theta)
         frequencies = self._frequencies.get(key)
         if frequencies is None:
             exponent = (
                 torch.arange(0, self.rope_dim, 2, dtype=torch.float32, device=device)
                 / self.rope_dim
             )
-            frequencies = self._frequencies[key] = 1.0 / (self.theta**exponent)
+            frequencies = 1.0 / (self.theta**exponent)
+            # under CUDA-graph capture the values exist only once the graph replays
+            if not (frequencies.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._frequencies[key] = frequencies
         return frequencies
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
