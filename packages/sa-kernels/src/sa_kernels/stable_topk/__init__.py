@@ -254,9 +254,8 @@ def _masked_past(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
     """Whether `stable_topk` runs `gluon_kernels` (not `triton_kernels`) on these [rows, n] CUDA
     float32/bfloat16/float16 scores: an SM90 GPU (where it was measured), a Triton with Gluon, not
-    the interpreter, and rows
-    the Gluon kernels take (`gluon_kernels.applies`: 2049 to 32768 entries narrowed where
-    `2k <= 1024`, the other rows of 1024 to 4095 entries held whole)."""
+    the interpreter, and rows the Gluon kernels take (`gluon_kernels.applies`: 2049 to 32768
+    entries narrowed where `2k <= 1024`, the other rows of 1024 to 4095 entries held whole)."""
     if not rows.is_cuda or triton_interpret() or torch.version.hip is not None:
         return False
     if rows.dtype not in _TRITON_DTYPES or device_capability(rows.device.index)[0] != 9:

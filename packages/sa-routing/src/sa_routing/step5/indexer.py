@@ -16,8 +16,9 @@ from .summaries import summarize_regions
 
 SUMMARY_CHUNK_REGIONS = 16384
 """Regions summarised per call of `summarize_regions` (about 50 KB of temporaries per region, 0.8 GB
-per call at this size, below the scoring calls' peak): each call is some twenty small launches, whose host time the GPU waited for at the start of a forward
-(4096 took 0.99 ms of host time at 65 536 tokens on the H200's host, docs/benchmarks.md)."""
+per call at this size, below the scoring calls' peak): each call is some twenty small launches,
+whose host time the GPU waited for at the start of a forward (4096 took 0.99 ms of host time at
+65 536 tokens on the H200's host, docs/benchmarks.md)."""
 
 
 class Step5SparseIndexer(nn.Module):
