@@ -486,6 +486,19 @@ def test_cuda_gluon_kernels_leave_other_rows_to_triton():
     assert not gluon_kernel_applies(scores.cpu(), 5)
 
 
+def test_gluon_module_is_imported_once_or_is_none():
+    """Dispatch asks for the Gluon kernels on every call: a module that imports comes back as it
+    is, one that cannot gives None (not an exception), both from the cache."""
+    from sa_kernels.backend import gluon_module
+
+    name = "sa_kernels.stable_topk.triton_kernels"
+    assert gluon_module(name) is sys.modules[name]
+    assert gluon_module("sa_kernels.stable_topk.no_such_kernels") is None
+    hits = gluon_module.cache_info().hits
+    assert gluon_module("sa_kernels.stable_topk.no_such_kernels") is None
+    assert gluon_module.cache_info().hits == hits + 1  # the failed import is not retried
+
+
 def test_the_gluon_kernels_take_the_rows_they_were_written_for():
     gluon_kernels = pytest.importorskip("sa_kernels.stable_topk.gluon_kernels")
     from sa_kernels.stable_topk import gluon_kernel_applies

@@ -34,6 +34,17 @@ def device_capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.cache
+def gluon_module(name: str):
+    """The Gluon kernels module `name`, imported once, or None where this Triton has no Gluon or
+    lacks a name the module uses (the caller then keeps to its Triton kernels). Dispatch asks on
+    every call; a failed import is not cached by Python, so it is cached here."""
+    try:
+        return importlib.import_module(name)
+    except (ImportError, AttributeError):
+        return None
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -21,13 +21,11 @@ D is a multiple of 64 (the gpu test `test_cuda_resident_configs_equal_the_tiles_
 because which one runs depends on a call's size; at D 104 they differed by about one ulp.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import sm_count, triton_interpret
+from sa_kernels.backend import gluon_module, sm_count, triton_interpret
 from sa_kernels.indexer_score.blocks import (
     query_bounds,
     query_rows,
@@ -486,14 +484,9 @@ def default_config(query: torch.Tensor, summary: torch.Tensor) -> dict:
     return GLUON_CONFIG if _gluon_for(query, summary) is not None else DEFAULT_CONFIG
 
 
-@functools.cache
 def _gluon_kernels():
     """`gluon_kernels`, or None where this Triton has no Gluon (or lacks a name it uses)."""
-    try:
-        from sa_kernels.indexer_score import gluon_kernels
-    except (ImportError, AttributeError):
-        return None
-    return gluon_kernels
+    return gluon_module("sa_kernels.indexer_score.gluon_kernels")
 
 
 def _gluon_for(query: torch.Tensor, summary: torch.Tensor):

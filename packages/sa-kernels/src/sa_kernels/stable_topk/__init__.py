@@ -5,6 +5,7 @@ import torch
 from sa_kernels.backend import (
     check_out,
     device_capability,
+    gluon_module,
     has_triton,
     resolve_backend,
     triton_interpret,
@@ -260,11 +261,8 @@ def gluon_kernel_applies(rows: torch.Tensor, k: int) -> bool:
         return False
     if rows.dtype not in _TRITON_DTYPES or device_capability(rows.device.index)[0] != 9:
         return False
-    try:
-        from . import gluon_kernels
-    except (ImportError, AttributeError):  # a Triton without Gluon, or without a name it uses
-        return False
-    return gluon_kernels.applies(rows.shape[-1], k)
+    gluon_kernels = gluon_module("sa_kernels.stable_topk.gluon_kernels")
+    return gluon_kernels is not None and gluon_kernels.applies(rows.shape[-1], k)
 
 
 def _threshold_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
