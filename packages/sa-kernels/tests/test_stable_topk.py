@@ -267,8 +267,10 @@ def test_default_launch_narrows_long_rows_with_maxima_sized_from_k(block, k, max
 
 
 def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor]:
-    """Rows that take every path of the prefilter: the usual narrow walk, a bound that is the k-th
-    key (relu zeros, fewer finite scores than k), heavy ties above the bound, clustered scores."""
+    """Rows that take every path of the prefilter: the usual narrow selection, a bound that is the
+    k-th key (relu zeros, fewer finite scores than k), heavy ties above the bound, clustered scores;
+    and rows that the interpolating selection finds hard: Step-5-like head sums whose zeros tie in
+    bulk at the k-th key, magnitudes over the whole float32 range with infinities at both ends."""
     generator = torch.Generator().manual_seed(n + k)
     random = torch.randn(rows, n, generator=generator)
     few = torch.full((rows, n), float("-inf"))
@@ -284,8 +286,18 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     signed = random.clone()
     signed[:, ::3] = -0.0
     signed[:, 1::3] = 0.0
+    # sum_h w_h relu(x_h) over 4 heads, most weights negative: scores <= 0 tie at zero in bulk
+    heads = torch.randn(4, rows, n, generator=generator).relu()
+    weights = torch.randn(4, rows, 1, generator=generator) - 1.0
+    head_sums = (weights * heads).sum(0)
+    exponents = torch.randint(-126, 128, (rows, n), generator=generator).float()
+    wide = torch.sign(random) * torch.exp2(exponents)
+    wide[:, 5::97] = float("inf")
+    wide[:, 11::89] = float("-inf")
     kinds = {
         "random": random,
+        "head-sums-tied-at-zero": head_sums,
+        "whole-float32-range": wide,
         "relu-zero-ties": (random - 1.5).relu(),
         "fewer-finite-than-k": few,
         "clustered": clustered,

@@ -14,16 +14,20 @@ Two kernels, one program per row:
 - rows of 2049 to 32768 entries with `2k <= 1024` (`_stable_topk_prefilter_kernel`, 4 warps by
   default, RUN 8): the Triton kernel's prefilter path. The maxima of 1024 strided groups (position
   mod 1024: each thread keeps the maxima of its own RUN columns, so no thread talks to another); a
-  `bound` that at least k maxima reach (a bit-by-bit walk, stopped once at most k + k/8 do); the
+  `bound` that at least k maxima reach (a selection stopped once at most k + k/8 do); the
   positions of the keys above `bound` compacted in position order into 2k int32 slots (the int64
   output row's own memory, or scratch where the caller gives the output); then: between k and 2k
-  of them (the usual case), the walk over those keys and the
-  kept positions written ascending; fewer than k, `bound` is the k-th largest key and one pass over
-  the row writes them; more than 2k (ties above the bound, or a bound left low by the early stop),
-  a walk that re-reads the row per step.
+  of them (the usual case), the selection over those keys and the kept positions written
+  ascending; fewer than k, `bound` is the k-th largest key and one pass over the row writes them;
+  more than 2k (ties above the bound, or a bound left low by the early stop), a selection that
+  re-reads the row per probe.
 - other rows of 1024 to 4095 entries (up to 2048 entries, or `2k > 1024`; any k)
-  (`_stable_topk_whole_row_kernel`): the row held whole, walked, and the kept positions written
-  from the registers.
+  (`_stable_topk_whole_row_kernel`): the row held whole, the selection over it, and the kept
+  positions written from the registers.
+Where the Triton kernel walks the key bits one by one, a selection here (`_select`) narrows a
+bracket of keys by probes that interpolate the count in score: about 9 probes instead of 23 on
+random and Step-5-like rows (offline), the Step-5 forward's top-k 3.65 -> 3.37 ms at 65 536 tokens
+and 11.8 -> 11.1 ms at 131 072 on the H200 (docs/benchmarks.md, seventeenth session).
 Same keys and tie order as `triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same
 positions.
 
@@ -113,31 +117,131 @@ def _exclusive_prefix(x):
     return prefix, gl.sum(totals, axis=0)
 
 
+ZERO_KEY = gl.constexpr(0x80000000)
+"""The key of +0.0 (and of -0.0, folded into it)."""
+NEG_INF_KEY = gl.constexpr(0x007FFFFF)
+POS_INF_KEY = gl.constexpr(0xFF800000)
+INTERPOLATED_PROBES = gl.constexpr(10)
+"""Probes of a selection chosen by interpolation; the later ones halve the bracket (at most 32)."""
+
+
 @gluon.jit
-def _kth_key_from(keys, k, prefix, shift, slack):
-    """The k-th largest of the uint32 keys [WARPS, 32, RUN], or a prefix reached by k to `k + slack`
-    of them (the walk stops there; with slack 0 the prefix reached by exactly k), the bits above
-    `shift` already known to be `prefix`'s."""
-    searching = shift >= 0
+def _largest_key(keys):
+    return gl.max(gl.max(gl.max(keys, axis=2), axis=1), axis=0)
+
+
+@gluon.jit
+def _smallest_key(keys):
+    return gl.min(gl.min(gl.min(keys, axis=2), axis=1), axis=0)
+
+
+@gluon.jit
+def _probe(lo, hi, reach_lo, reach_past_hi, aim, weight_lo, weight_hi, interpolate):
+    """The next key to count in [lo + 1, hi] (lo < hi): where the count, interpolated linearly in
+    score between the bracket's ends (their weights Illinois-style), reaches `aim`. Exact zero and
+    the infinities get probes of their own: relu scores tie at zero in bulk, and the count's jump
+    there is a step that an interpolation only approaches (offline: 40 probes on some rows instead
+    of 6). Other ends that are not finite, and probes past `interpolate`, halve the bracket."""
+    zero = gl.full([], ZERO_KEY, gl.uint32)
+    score_lo = _score_of(lo)
+    score_hi = _score_of(hi)
+    above = (reach_lo.to(gl.float32) - aim) * weight_lo
+    below = (aim - reach_past_hi.to(gl.float32)) * weight_hi
+    guess = score_lo + (score_hi - score_lo) * (above / (above + below))
+    probe = _keys_of(guess)
+    # just above an exact zero at lo: the smallest positive score, which ends a tie at zero
+    probe = gl.where((lo == zero) & (guess < score_hi * 0.0625), zero + 1, probe)
+    finite = (score_lo > float("-inf")) & (score_hi < float("inf"))
+    probe = gl.where(interpolate & finite, probe, lo + (hi - lo) // 2 + 1)
+    probe = gl.where((lo < zero) & (zero <= hi), zero, probe)  # zero inside: split there first
+    # an infinite end: is it the answer (k keys -inf, or k keys +inf)? else the bracket is finite
+    probe = gl.where(lo == NEG_INF_KEY, lo + 1, probe)
+    probe = gl.where(hi == POS_INF_KEY, hi, probe)
+    return gl.minimum(gl.maximum(probe, lo + 1), hi)
+
+
+@gluon.jit
+def _reaching(keys, row, offsets, n, read, probe, STREAM: gl.constexpr):
+    """How many keys reach `probe`: of the keys held, or (STREAM) of the row, re-read."""
+    if STREAM:
+        count = _count_reaching(row, offsets, n, read, probe, offsets.numel)
+    else:
+        count = _total((keys >= probe).to(gl.int32))
+    return count
+
+
+@gluon.jit
+def _largest_at_most(keys, row, offsets, n, read, hi, STREAM: gl.constexpr):
+    """The largest key <= hi (0 if none): of the keys held, or (STREAM) of the row, re-read."""
+    if STREAM:
+        largest = gl.zeros([], gl.uint32)
+        for start in range(0, n, offsets.numel):
+            chunk = _chunk_keys(row, start + offsets, n, read)
+            largest = gl.maximum(largest, _largest_key(gl.where(chunk <= hi, chunk, 0)))
+    else:
+        largest = _largest_key(gl.where(keys <= hi, keys, 0))
+    return largest
+
+
+@gluon.jit
+def _smallest_from(keys, row, offsets, n, read, lo, STREAM: gl.constexpr):
+    """The smallest key >= lo (lo >= 1; all ones if none): of the keys held, or (STREAM) of the
+    row, re-read."""
+    if STREAM:
+        smallest = gl.full([], 0xFFFFFFFF, gl.uint32)
+        for start in range(0, n, offsets.numel):
+            chunk = _chunk_keys(row, start + offsets, n, read)
+            smallest = gl.minimum(smallest, _smallest_key(gl.where(chunk >= lo, chunk, 0xFFFFFFFF)))
+    else:
+        smallest = _smallest_key(gl.where(keys >= lo, keys, 0xFFFFFFFF))
+    return smallest
+
+
+@gluon.jit
+def _select(
+    keys, row, offsets, n, read, k, lo, reach_lo, hi, reach_past_hi, slack, STREAM: gl.constexpr
+):
+    """A key that k to `k + slack` keys reach, or else the k-th largest key (with slack 0: the k-th
+    largest, or a key exactly k reach), given a bracket: `reach_lo` >= k keys reach lo, and
+    `reach_past_hi` < k reach hi + 1. Keys: the uint32 keys held [WARPS, 32, RUN] (0 never counts:
+    lo >= 1 there), or (STREAM) the row's n entries, re-read for each probe.
+
+    The bracket shrinks by each probe until one end is the answer: a probe from interpolation in
+    score (`_probe`; at most INTERPOLATED_PROBES, then halvings: at most 42 probes); and where
+    one key is still needed (the bracket's largest) or all of them are (its smallest), one
+    reduction ends it."""
+    aim = k.to(gl.float32) + slack.to(gl.float32) * 0.5
+    weight_lo = gl.full([], 1.0, gl.float32)
+    weight_hi = gl.full([], 1.0, gl.float32)
+    last_move = gl.zeros([], gl.int32)  # 1: lo was raised, -1: hi was lowered
+    probes = gl.zeros([], gl.int32)
+    searching = lo < hi
     while searching:
-        candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
-        reaching = _total((keys >= candidate).to(gl.int32))
-        prefix = gl.where(reaching >= k, candidate, prefix)
-        shift -= 1
-        searching = (shift >= 0) & ((reaching < k) | (reaching > k + slack))
-    return prefix
-
-
-@gluon.jit
-def _walk_start(low, high):
-    """(prefix, shift) for a walk whose answer lies in [low, high] (low < high): every key in that
-    range shares their common top bits, so the walk starts below them."""
-    diff = low ^ high
-    shift = gl.full([], 31, gl.int32)
-    while ((diff >> shift.to(gl.uint32)) & 1) == 0:
-        shift -= 1
-    below = (gl.full([], 2, gl.uint32) << shift.to(gl.uint32)) - 1  # 2 << 31 wraps to 0: all ones
-    return high & ~below, shift
+        still_needed = k - reach_past_hi
+        if still_needed == 1:
+            lo = _largest_at_most(keys, row, offsets, n, read, hi, STREAM)
+            searching = lo < lo
+        elif still_needed == reach_lo - reach_past_hi:
+            lo = _smallest_from(keys, row, offsets, n, read, lo, STREAM)
+            searching = lo < lo
+        else:
+            probe = _probe(
+                lo, hi, reach_lo, reach_past_hi, aim, weight_lo, weight_hi,
+                probes < INTERPOLATED_PROBES,
+            )  # fmt: skip
+            reaching = _reaching(keys, row, offsets, n, read, probe, STREAM)
+            probes += 1
+            raise_lo = reaching >= k
+            # Illinois: the end kept twice in a row weighs half as much in the next guess
+            weight_lo = gl.where(raise_lo | (last_move > 0), 1.0, weight_lo * 0.5)
+            weight_hi = gl.where(raise_lo & (last_move > 0), weight_hi * 0.5, 1.0)
+            last_move = gl.where(raise_lo, 1, -1)
+            lo = gl.where(raise_lo, probe, lo)
+            reach_lo = gl.where(raise_lo, reaching, reach_lo)
+            hi = gl.where(raise_lo, hi, probe - 1)
+            reach_past_hi = gl.where(raise_lo, reach_past_hi, reaching)
+            searching = (lo < hi) & ~(raise_lo & (reaching <= k + slack))
+    return lo
 
 
 @gluon.jit
@@ -208,12 +312,13 @@ def _prefilter_row(row, out, offset, slots, offsets, n, read, k, MAXIMA: gl.cons
         tail = gl.load(row + positions, mask=positions < read, other=float("-inf"))
         maxima = gl.maximum(maxima, tail.to(gl.float32))
     maxima_keys = _keys_of(maxima)
-    # Any prefix that k maxima reach is a bound: the walk stops once at most k + k/8 reach it, 9 to
-    # 13 steps instead of 16 to 20 on random rows, for about 8 % more keys above it (offline)
-    bound = _kth_key_from(
-        maxima_keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32), k >> 3
-    )
-    top = gl.max(gl.max(gl.max(maxima_keys, axis=2), axis=1), axis=0)  # the row's largest key
+    top = _largest_key(maxima_keys)  # the row's largest key
+    # Any key that k maxima reach is a bound: the selection stops once at most k + k/8 reach it
+    # (for about 8 % more keys above it than the k-th largest maximum gives, offline)
+    bound = _select(
+        maxima_keys, row, offsets, n, read, k, _smallest_key(maxima_keys),
+        gl.full([], MAXIMA, gl.int32), top, gl.zeros([], gl.int32), k >> 3, False,
+    )  # fmt: skip
 
     # The positions of the keys above `bound` (at least k reach it), in position order, into 2k
     # int32 slots (the int64 output row's own memory unless the caller gave an output); the count
@@ -237,11 +342,10 @@ def _prefilter_row(row, out, offset, slots, offsets, n, read, k, MAXIMA: gl.cons
         scores = gl.load(row + positions, mask=present, other=0.0).to(gl.float32)
         keys = gl.where(present, _keys_of(scores), 0)
         # every survivor is above `bound`: the answer lies in [bound + 1, top]
-        if bound + 1 == top:
-            threshold = top
-        else:
-            prefix, shift = _walk_start(bound + 1, top)
-            threshold = _kth_key_from(keys, k, prefix, shift, 0)
+        threshold = _select(
+            keys, row, offsets, n, read, k, bound + 1, above_bound, top, gl.zeros([], gl.int32),
+            gl.zeros([], gl.int32), False,
+        )  # fmt: skip
         cta_barrier()  # every slot is read before the output overwrites it
         above = (keys > threshold).to(gl.int32)
         tied = (keys == threshold).to(gl.int32)
@@ -253,20 +357,12 @@ def _prefilter_row(row, out, offset, slots, offsets, n, read, k, MAXIMA: gl.cons
         # at least k keys reach `bound` (k maxima do) and fewer pass it: it is the k-th largest key
         _store_kept_streamed(row, out, offset, offsets, n, read, k, bound, above_bound, MAXIMA)
     else:
-        # more than 2k above the bound (ties, or a bound left low): the walk re-reads the row for
-        # each step, from the common top bits of the smallest key above the bound and the largest
-        if bound + 1 == top:
-            threshold = top
-        else:
-            prefix, shift = _walk_start(bound + 1, top)
-            searching = shift >= 0
-            while searching:
-                candidate = prefix | (gl.full([], 1, gl.uint32) << shift.to(gl.uint32))
-                reaching = _count_reaching(row, offsets, n, read, candidate, MAXIMA)
-                prefix = gl.where(reaching >= k, candidate, prefix)
-                shift -= 1
-                searching = (shift >= 0) & (reaching != k)
-            threshold = prefix
+        # more than 2k above the bound (ties, or a bound left low): the selection re-reads the row
+        # for each probe
+        threshold = _select(
+            maxima_keys, row, offsets, n, read, k, bound + 1, above_bound, top,
+            gl.zeros([], gl.int32), gl.zeros([], gl.int32), True,
+        )  # fmt: skip
         above_threshold = _count_reaching(row, offsets, n, read, threshold + 1, MAXIMA)
         _store_kept_streamed(
             row, out, offset, offsets, n, read, k, threshold, above_threshold, MAXIMA
@@ -276,11 +372,15 @@ def _prefilter_row(row, out, offset, slots, offsets, n, read, k, MAXIMA: gl.cons
 @gluon.jit
 def _whole_row(row, out, offset, offsets, n, read, k):
     """`stable_topk` of a row held whole (offsets [WARPS, 32, RUN] cover it; entries at or past
-    `read` are -inf): the walk over every key, then the kept positions, ascending."""
+    `read` are -inf): the selection over every key, then the kept positions, ascending."""
     keys = _chunk_keys(row, offsets, n, read)
-    threshold = _kth_key_from(keys, k, gl.zeros([], gl.uint32), gl.full([], 31, gl.int32), 0)
+    present = offsets < n
+    threshold = _select(
+        keys, row, offsets, n, read, k, _smallest_key(gl.where(present, keys, 0xFFFFFFFF)), n,
+        _largest_key(keys), gl.zeros([], gl.int32), gl.zeros([], gl.int32), False,
+    )  # fmt: skip
     above = (keys > threshold).to(gl.int32)
-    tied = ((keys == threshold) & (offsets < n)).to(gl.int32)
+    tied = ((keys == threshold) & present).to(gl.int32)
     tied_before, _ = _exclusive_prefix(tied)
     kept = ((above != 0) | ((tied != 0) & (tied_before < k - _total(above)))).to(gl.int32)
     slot, _ = _exclusive_prefix(kept)
@@ -318,8 +418,8 @@ def _row_extent(
     k,
     HAS_LENGTHS: gl.constexpr,
 ):
-    """`(n_row, read)`: the entries the row's walk covers and those it loads. With lengths: `read`
-    is the row's length clamped to [0, n] (the rest is -inf) and the walk covers at least k
+    """`(n_row, read)`: the entries the row's selection covers and those it loads. With lengths: `read`
+    is the row's length clamped to [0, n] (the rest is -inf) and the selection covers at least k
     entries (the kept -inf ones come from the lowest positions); else both are n."""
     if HAS_LENGTHS:
         at = (row64 // len_inner) * len_stride_outer + (row64 % len_inner) * len_stride_inner
@@ -332,6 +432,7 @@ def _row_extent(
 
 
 _ADDRESSING = [
+    "k",  # Triton would specialise k = 1 to a constant, which Triton 3.6 fails to lower here
     "out_inner",
     "out_stride_outer",
     "out_stride_inner",
