@@ -418,9 +418,9 @@ def _row_extent(
     k,
     HAS_LENGTHS: gl.constexpr,
 ):
-    """`(n_row, read)`: the entries the row's selection covers and those it loads. With lengths: `read`
-    is the row's length clamped to [0, n] (the rest is -inf) and the selection covers at least k
-    entries (the kept -inf ones come from the lowest positions); else both are n."""
+    """`(n_row, read)`: the entries the row's selection covers and those it loads. With lengths:
+    `read` is the row's length clamped to [0, n] (the rest is -inf) and the selection covers at
+    least k entries (the kept -inf ones come from the lowest positions); else both are n."""
     if HAS_LENGTHS:
         at = (row64 // len_inner) * len_stride_outer + (row64 % len_inner) * len_stride_inner
         read = gl.minimum(gl.maximum(gl.load(lengths_ptr + at), 0), n).to(gl.int32)
