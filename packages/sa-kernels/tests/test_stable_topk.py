@@ -290,13 +290,17 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
     heads = torch.randn(4, rows, n, generator=generator).relu()
     weights = torch.randn(4, rows, 1, generator=generator) - 1.0
     head_sums = (weights * heads).sum(0)
-    exponents = torch.randint(-126, 128, (rows, n), generator=generator).float()
+    exponents = torch.randint(-149, 128, (rows, n), generator=generator).float()  # subnormals too
     wide = torch.sign(random) * torch.exp2(exponents)
     wide[:, 5::97] = float("inf")
     wide[:, 11::89] = float("-inf")
+    # relu scores with fewer positives than k: the k-th key is an exact zero among many
+    positives = max(k - 1 - k // 8, 0)
+    cut = random.topk(positives + 1, dim=1).values[:, -1:]
     kinds = {
         "random": random,
         "head-sums-tied-at-zero": head_sums,
+        "relu-fewer-positives-than-k": (random - cut).relu(),
         "whole-float32-range": wide,
         "relu-zero-ties": (random - 1.5).relu(),
         "fewer-finite-than-k": few,
@@ -306,6 +310,32 @@ def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor
         "signed-zeros": signed,
     }
     return {name: rows_.to(device) for name, rows_ in kinds.items()}
+
+
+def _relu_rows_with_nans(rows: int, n: int, k: int) -> torch.Tensor:
+    """Rows whose k-th key is an exact zero (k // 2 positives), three NaNs each."""
+    generator = torch.Generator().manual_seed(n + k)
+    random = torch.randn(rows, n, generator=generator)
+    cut = random.topk(k // 2 + 1, dim=1).values[:, -1:]
+    scores = (random - cut).relu()
+    scores[:, [5, n // 2, n - 3]] = float("nan")
+    return scores
+
+
+def _written_past_k(scores: torch.Tensor, k: int, **options) -> torch.Tensor:
+    """stable_topk into the first k slots of rows of width k + 8 filled with -7: the 8 after."""
+    buffer = torch.full((scores.shape[0], k + 8), -7, dtype=torch.int64, device=scores.device)
+    stable_topk(scores, k, out=buffer[:, :k], **options)
+    return buffer[:, k:]
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter's maxima
+def test_nan_scores_never_write_past_the_output():
+    """NaN makes the positions unspecified (documented), but the kernels still write k of them:
+    the streamed store of a row whose k-th key is the bound kept NaN keys past the k it counted."""
+    for n, k in ((8192, 16), (600, 9)):  # Triton's prefilter (8192 entries), its whole-row walk
+        past = _written_past_k(_relu_rows_with_nans(2, n, k), k, backend="triton")
+        assert (past == -7).all(), (n, k)
 
 
 def _written_in_place(scores, k, offset, out_dtype, **options):
@@ -466,6 +496,14 @@ def test_cuda_gluon_kernels_equal_the_stable_sort_on_every_path(n, k, dtype):
         expected = reference.stable_topk(scores, k)
         assert torch.equal(gluon_kernels.stable_topk_rows(scores, k), expected), name
         assert torch.equal(stable_topk(scores, k), expected), name
+
+
+@pytest.mark.gpu
+def test_cuda_nan_scores_never_write_past_the_output():
+    # the Gluon prefilter (4096, 16384 entries), the whole-row kernel (2048), Triton's walk (600)
+    for n, k in ((4096, 512), (16383, 100), (2048, 512), (600, 9)):
+        past = _written_past_k(_relu_rows_with_nans(64, n, k).cuda(), k)
+        assert (past == -7).all(), (n, k)
 
 
 @pytest.mark.gpu

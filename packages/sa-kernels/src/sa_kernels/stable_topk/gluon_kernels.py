@@ -141,18 +141,19 @@ def _probe(lo, hi, reach_lo, reach_past_hi, aim, weight_lo, weight_hi, interpola
     score between the bracket's ends (their weights Illinois-style), reaches `aim`. Exact zero and
     the infinities get probes of their own: relu scores tie at zero in bulk, and the count's jump
     there is a step that an interpolation only approaches (offline: 40 probes on some rows instead
-    of 6). Other ends that are not finite, and probes past `interpolate`, halve the bracket."""
+    of 6). Probes past `interpolate` halve the bracket (so does an end whose score is NaN)."""
     zero = gl.full([], ZERO_KEY, gl.uint32)
     score_lo = _score_of(lo)
     score_hi = _score_of(hi)
     above = (reach_lo.to(gl.float32) - aim) * weight_lo
     below = (aim - reach_past_hi.to(gl.float32)) * weight_hi
     guess = score_lo + (score_hi - score_lo) * (above / (above + below))
-    probe = _keys_of(guess)
-    # just above an exact zero at lo: the smallest positive score, which ends a tie at zero
-    probe = gl.where((lo == zero) & (guess < score_hi * 0.0625), zero + 1, probe)
     finite = (score_lo > float("-inf")) & (score_hi < float("inf"))
-    probe = gl.where(interpolate & finite, probe, lo + (hi - lo) // 2 + 1)
+    probe = gl.where(interpolate & finite, _keys_of(guess), lo + (hi - lo) // 2 + 1)
+    # just above an exact zero at lo: the smallest positive score, which ends a tie at zero (also
+    # among the halvings, which would otherwise walk down through the subnormals)
+    near_zero = (guess < score_hi * 0.0625) | ~interpolate
+    probe = gl.where((lo == zero) & near_zero, zero + 1, probe)
     probe = gl.where((lo < zero) & (zero <= hi), zero, probe)  # zero inside: split there first
     # an infinite end: is it the answer (k keys -inf, or k keys +inf)? else the bracket is finite
     probe = gl.where(lo == NEG_INF_KEY, lo + 1, probe)
@@ -232,7 +233,8 @@ def _select(
             reaching = _reaching(keys, row, offsets, n, read, probe, STREAM)
             probes += 1
             raise_lo = reaching >= k
-            # Illinois: the end kept twice in a row weighs half as much in the next guess
+            # Illinois-like: lo's weight halves whenever hi is lowered other than right after a
+            # raise of lo (the first probe too), hi's when lo is raised twice in a row
             weight_lo = gl.where(raise_lo | (last_move > 0), 1.0, weight_lo * 0.5)
             weight_hi = gl.where(raise_lo & (last_move > 0), weight_hi * 0.5, 1.0)
             last_move = gl.where(raise_lo, 1, -1)
@@ -281,7 +283,10 @@ def _store_kept_streamed(
         )
         kept_prefix, kept_total = _exclusive_prefix(kept)
         ids = (positions + offset).to(out.dtype.element_ty)
-        gl.store(out + kept_seen + kept_prefix, ids, mask=kept != 0)
+        # at most k: a NaN key would pass `threshold` here though no count above had it
+        gl.store(
+            out + kept_seen + kept_prefix, ids, mask=(kept != 0) & (kept_seen + kept_prefix < k)
+        )
         tied_seen += tied_total
         kept_seen += kept_total
 

@@ -82,7 +82,10 @@ def _store_kept_tiles(
         tied_before = tied_seen + tl.cumsum(tied, axis=0) - tied
         kept = above | ((tied != 0) & (tied_before < still_needed))
         slot = kept_seen + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.store(row_out + slot, (tile + offset).to(row_out.dtype.element_ty), mask=kept)
+        # at most k: a NaN key would pass `threshold` here though no count above had it
+        tl.store(
+            row_out + slot, (tile + offset).to(row_out.dtype.element_ty), mask=kept & (slot < k)
+        )
         tied_seen += tl.sum(tied, axis=0)
         kept_seen += tl.sum(kept.to(tl.int32), axis=0)
 
