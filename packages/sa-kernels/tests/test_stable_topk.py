@@ -269,8 +269,9 @@ def test_default_launch_narrows_long_rows_with_maxima_sized_from_k(block, k, max
 def _row_kinds(rows: int, n: int, k: int, device: str) -> dict[str, torch.Tensor]:
     """Rows that take every path of the prefilter: the usual narrow selection, a bound that is the
     k-th key (relu zeros, fewer finite scores than k), heavy ties above the bound, clustered scores;
-    and rows that the interpolating selection finds hard: Step-5-like head sums whose zeros tie in
-    bulk at the k-th key, magnitudes over the whole float32 range with infinities at both ends."""
+    and rows that the interpolating selection finds hard: Step-5-like head sums and relu scores
+    with fewer positives than k, whose zeros tie in bulk at the k-th key, and magnitudes over the
+    whole float32 range (subnormals too) with infinities at both ends."""
     generator = torch.Generator().manual_seed(n + k)
     random = torch.randn(rows, n, generator=generator)
     few = torch.full((rows, n), float("-inf"))
