@@ -147,8 +147,12 @@ def _probe(lo, hi, reach_lo, reach_past_hi, aim, weight_lo, weight_hi, interpola
     score_hi = _score_of(hi)
     above = (reach_lo.to(gl.float32) - aim) * weight_lo
     below = (aim - reach_past_hi.to(gl.float32)) * weight_hi
-    guess = score_lo + (score_hi - score_lo) * (above / (above + below))
     finite = (score_lo > float("-inf")) & (score_hi < float("inf"))
+    # a weighted mean of the ends (no overflow; infinite or NaN ends zeroed, their guess unused)
+    weight = above / (above + below)
+    guess = (
+        gl.where(finite, score_lo, 0.0) * (1.0 - weight) + gl.where(finite, score_hi, 0.0) * weight
+    )
     probe = gl.where(interpolate & finite, _keys_of(guess), lo + (hi - lo) // 2 + 1)
     # just above an exact zero at lo: the smallest positive score, which ends a tie at zero (also
     # among the halvings, which would otherwise walk down through the subnormals)
