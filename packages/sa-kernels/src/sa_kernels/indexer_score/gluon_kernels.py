@@ -85,8 +85,7 @@ def _segment_window(
     BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, HAS_BOUNDS: gl.constexpr,
 ):  # fmt: skip
     """The region blocks [c_lo, c_hi) of a segment that some query of its block may select (the
-    others get −inf without an MMA), as `blocks.window_blocks`; the producer and both consumers
-    compute it alike."""
+    others get −inf without an MMA), as `blocks.window_blocks`."""
     c_lo = r_lo
     c_hi = r_hi
     if HAS_BOUNDS:
@@ -96,6 +95,21 @@ def _segment_window(
         c_lo = gl.minimum(gl.maximum(r_lo, gl.min(first, axis=0) // BLOCK_R), r_hi)
         c_hi = gl.maximum(gl.minimum(r_hi, gl.cdiv(gl.max(past, axis=0), BLOCK_R)), c_lo)
     return c_lo, c_hi
+
+
+@gluon.jit
+def _live_segment(
+    t, t_end, n_r, n_m, G, first_ptr, past_ptr, sb_b, n_q, R, q_of_block,
+    BLOCK_Q: gl.constexpr, BLOCK_R: gl.constexpr, HAS_BOUNDS: gl.constexpr,
+):  # fmt: skip
+    """`_segment` of tile t and the region blocks [c_lo, c_hi) of it that need an MMA
+    (`_segment_window`): the one walk the producer and both consumers share."""
+    r_lo, r_hi, pid_q, b, g = _segment(t, t_end, n_r, n_m, G)
+    c_lo, c_hi = _segment_window(
+        first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, r_lo, r_hi, q_of_block,
+        BLOCK_Q, BLOCK_R, HAS_BOUNDS,
+    )  # fmt: skip
+    return r_lo, r_hi, pid_q, b, g, c_lo, c_hi
 
 
 @gluon.jit
@@ -139,9 +153,8 @@ def _producer(
     issued = t_start * 0
     t = t_start
     while t < t_end:
-        r_lo, r_hi, pid_q, b, _ = _segment(t, t_end, n_r, n_m, G)
-        c_lo, c_hi = _segment_window(
-            first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, r_lo, r_hi, q_of_block,
+        r_lo, r_hi, pid_q, b, _, c_lo, c_hi = _live_segment(
+            t, t_end, n_r, n_m, G, first_ptr, past_ptr, sb_b, n_q, R, q_of_block,
             BLOCK_Q, BLOCK_R, HAS_BOUNDS,
         )  # fmt: skip
         # rows past R (the next batch row or TMA's zero fill) only reach masked-out columns
@@ -223,9 +236,8 @@ def _consumer(
     consumed = t_start * 0
     t = t_start
     while t < t_end:
-        r_lo, r_hi, pid_q, b, g = _segment(t, t_end, n_r, n_m, G)
-        c_lo, c_hi = _segment_window(
-            first_ptr, past_ptr, sb_b, b, pid_q, n_q, R, r_lo, r_hi, q_of_block,
+        r_lo, r_hi, pid_q, b, g, c_lo, c_hi = _live_segment(
+            t, t_end, n_r, n_m, G, first_ptr, past_ptr, sb_b, n_q, R, q_of_block,
             BLOCK_Q, BLOCK_R, HAS_BOUNDS,
         )  # fmt: skip
         pid_h = pid_q * 2 + HALF  # this half as a block of QH queries
