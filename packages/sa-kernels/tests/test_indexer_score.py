@@ -1,9 +1,5 @@
 """indexer_score_tile: the fused Triton scoring kernel vs the reference, the formula itself, out=, errors."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
@@ -11,6 +7,7 @@ from triton.runtime.errors import OutOfResources
 
 from sa_kernels import indexer_score_tile, round_to_e4m3
 from sa_kernels.indexer_score import reference, triton_kernels
+from sa_kernels.testing import run_without_interpreter
 
 
 def _inputs(
@@ -739,13 +736,5 @@ def test_the_gluon_score_kernel_compiles_for_hopper_with_the_installed_triton():
     removed once made it fail there), with no FMA in its PTX (FP_FUSION). In a subprocess without
     TRITON_INTERPRET, which would turn the kernel into an interpreted one."""
     pytest.importorskip("sa_kernels.indexer_score.gluon_kernels")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_GLUON_SCORE_KERNEL],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = run_without_interpreter(_COMPILE_GLUON_SCORE_KERNEL, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

@@ -1,7 +1,5 @@
 """stable_topk: exactly the first k positions of a stable descending sort, ties to the lower position."""
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +13,7 @@ from sa_kernels.stable_topk.triton_kernels import (
     default_config,
     stable_topk_rows,
 )
+from sa_kernels.testing import run_without_interpreter
 
 
 def _tied_scores(shape, dtype, seed, device="cpu"):
@@ -600,13 +599,5 @@ def test_the_gluon_kernels_compile_for_hopper_with_the_installed_triton():
     cubin for sm_90 (the GPU machine runs Triton 3.6; this runs whatever the lock file installs).
     In a subprocess without TRITON_INTERPRET, which would turn the kernels into interpreted ones."""
     pytest.importorskip("sa_kernels.stable_topk.gluon_kernels")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([*sys.path, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE_GLUON_KERNELS],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_without_interpreter(_COMPILE_GLUON_KERNELS, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

@@ -8,13 +8,12 @@ tiles must still be loaded by asynchronous copies (the pipelining that the first
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from sa_kernels.testing import run_without_interpreter
 
 pytest.importorskip("triton")
 
@@ -89,10 +88,7 @@ _COMPILE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def compiled_layouts() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
-    )
+    result = run_without_interpreter(_COMPILE, timeout=600)
     if result.returncode == _NO_SM90:
         pytest.skip("this Triton has no NVIDIA backend to compile for sm_90")
     assert result.returncode == 0, result.stderr[-2000:]
