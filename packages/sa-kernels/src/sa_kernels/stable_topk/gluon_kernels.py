@@ -531,6 +531,14 @@ prefilter took them 1.2-1.8x faster, while at 1024 to 2048 entries the whole-row
 or faster (0.62-1.13x). A group holds at most three entries of a row of up to 3072 entries, four
 up to 4095, and at most k + k/8 groups reach past the bound: rows with more than 2k keys above it
 take the slower branch that re-reads the row, with the same result."""
+SHORT_ROW = 8192
+SHORT_ROW_REGISTERS = 48
+"""The prefilter's registers on rows of up to SHORT_ROW entries (a register cap at launch): 10
+programs per SM instead of the 8 that the compiler's 62 registers leave (Triton 3.6; no spills).
+On the H200 the Step-5 forward's top-k took 3.21 instead of 3.37 ms at 65 536 tokens. Longer rows
+keep the compiler's count: with more of them in flight, their compaction pass finds less of the
+row still in L2 (9 or 10 programs per SM: 3-12 % slower on rows of 12 288 and 16 384 entries).
+docs/benchmarks.md, eighteenth session."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""
@@ -623,6 +631,7 @@ def stable_topk_rows(
         WARPS=prefilter_warps,
         HAS_LENGTHS=has_lengths,
         num_warps=prefilter_warps,
+        **({"maxnreg": SHORT_ROW_REGISTERS} if n <= SHORT_ROW else {}),
     )
     return out
 
