@@ -536,9 +536,9 @@ SHORT_ROW_REGISTERS = 48
 """The prefilter's registers on rows of up to SHORT_ROW entries (a register cap at launch): 10
 programs per SM instead of the 8 that the compiler's 62 registers leave (Triton 3.6; no spills).
 On the H200 the Step-5 forward's top-k took 3.21 instead of 3.37 ms at 65 536 tokens. Longer rows
-keep the compiler's count: with more of them in flight, their compaction pass finds less of the
-row still in L2 (9 or 10 programs per SM: 3-12 % slower on rows of 12 288 and 16 384 entries).
-docs/benchmarks.md, eighteenth session."""
+keep the compiler's count: 9 or 10 programs per SM ran them 3-12 % slower (12 288 and 16 384
+entries; presumably less of each row is still in L2 for the compaction pass). Triton 3.9 compiles
+the kernel to 48 registers without the cap. docs/benchmarks.md, eighteenth session."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""
