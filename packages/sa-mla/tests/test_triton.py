@@ -129,8 +129,10 @@ def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_s
         for dq_heads in (16, 32)
     }
     assert torch.isfinite(grads[16][1]).all() and grads[32][1].abs().amax() > 0
+    # dkv and dq to FP32 rounding: the interpreter's dots are the CPU's BLAS, whose sums over other
+    # block shapes round differently on some CPUs (OpenBLAS's Haswell and Zen kernels)
     torch.testing.assert_close(grads[16][1], grads[32][1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grads[16][0], grads[32][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[16][0], grads[32][0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
