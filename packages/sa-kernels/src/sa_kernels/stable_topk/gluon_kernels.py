@@ -534,11 +534,13 @@ take the slower branch that re-reads the row, with the same result."""
 SHORT_ROW = 8192
 SHORT_ROW_REGISTERS = 48
 """The prefilter's registers on rows of up to SHORT_ROW entries (a register cap at launch): 10
-programs per SM instead of the 8 that the compiler's 62 registers leave (Triton 3.6; no spills).
-On the H200 the Step-5 forward's top-k took 3.21 instead of 3.37 ms at 65 536 tokens. Longer rows
-keep the compiler's count: 9 or 10 programs per SM ran them 3-12 % slower (12 288 and 16 384
-entries; presumably less of each row is still in L2 for the compaction pass). Triton 3.9 compiles
-the kernel to 48 registers without the cap. docs/benchmarks.md, eighteenth session."""
+programs per SM instead of the 8 that the compiler's 62 registers leave (ncu, Triton 3.6). The
+capped kernel spills a few values (16-24 bytes of stack in the offline Triton 3.6 cubins) and ran
+faster all the same: on the H200 the Step-5 forward's top-k took 3.21 instead of 3.37 ms at 65 536
+tokens. Longer rows keep the compiler's count: 9 or 10 programs per SM ran them 3-12 % slower
+(12 288 and 16 384 entries; presumably less of each row is still in L2 for the compaction pass).
+Under Triton 3.9 (offline) the kernel needs 56-62 registers uncapped, so the cap applies there too.
+docs/benchmarks.md, eighteenth and nineteenth sessions."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""
