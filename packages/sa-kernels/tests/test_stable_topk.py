@@ -576,11 +576,15 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from sa_kernels.stable_topk import gluon_kernels as m
 
 pointers = {"scores_ptr": "*fp32", "out_ptr": "*i64", "slots_ptr": "*i32", "lengths_ptr": "*i64"}
-for kernel, constants in (
-    (m._stable_topk_prefilter_kernel, {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4}),
-    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4}),
-    (m._stable_topk_prefilter_kernel, {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4, "HAS_LENGTHS": True}),
-    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4, "HAS_LENGTHS": True}),
+prefilter = {"MAXIMA": m.MAXIMA, "RUN": m.RUN, "WARPS": 4}
+capped = {"maxnreg": m.SHORT_ROW_REGISTERS}  # how rows of up to SHORT_ROW entries are launched
+for kernel, constants, options in (
+    (m._stable_topk_prefilter_kernel, prefilter, {}),
+    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4}, {}),
+    (m._stable_topk_prefilter_kernel, {**prefilter, "HAS_LENGTHS": True}, {}),
+    (m._stable_topk_prefilter_kernel, {**prefilter, "HAS_LENGTHS": True}, capped),
+    (m._stable_topk_prefilter_kernel, prefilter, capped),
+    (m._stable_topk_whole_row_kernel, {"RUN": 32, "WARPS": 4, "HAS_LENGTHS": True}, {}),
 ):
     constants = {"HAS_LENGTHS": False, **constants}
     signature = {
@@ -588,15 +592,20 @@ for kernel, constants in (
         for name in kernel.arg_names
     }
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}
+    )
     assert compiled.asm["cubin"], kernel.__name__
+    if options:  # the cap reached ptxas
+        assert f".maxnreg {m.SHORT_ROW_REGISTERS}" in compiled.asm["ptx"], "no register cap in the PTX"
 print("compiled")
 """
 
 
 def test_the_gluon_kernels_compile_for_hopper_with_the_installed_triton():
     """Offline, no GPU: both Gluon kernels go through the installed Triton's whole pipeline to a
-    cubin for sm_90 (the GPU machine runs Triton 3.6; this runs whatever the lock file installs).
+    cubin for sm_90 (the GPU machine runs Triton 3.6; this runs whatever the lock file installs),
+    the prefilter also with the register cap its short rows are launched with.
     In a subprocess without TRITON_INTERPRET, which would turn the kernels into interpreted ones."""
     pytest.importorskip("sa_kernels.stable_topk.gluon_kernels")
     run = run_without_interpreter(_COMPILE_GLUON_KERNELS, timeout=300)
