@@ -422,12 +422,13 @@ class Step5MoE(nn.Module):
         experts, weights = self.route(flat)
         # dispatch: the (token, expert) pairs sorted by expert once; pair p = token * top_k + slot
         sorted_experts, order = torch.sort(experts.reshape(-1), stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device)
+        )
         expert_ids = torch.arange(self.num_experts, device=x.device)
         expert_ends = torch.searchsorted(sorted_experts, expert_ids, right=True)
         self._record_counts(torch.diff(expert_ends, prepend=expert_ends.new_zeros(1)))
-        rows = _GatherRows.apply(flat, torch.div(order, top_k, rounding_mode="floor"), inverse, top_k)
+        rows = _GatherRows.apply(flat, order // top_k, inverse, top_k)
 
         if self.expert_path(x.device, x.dtype) == "grouped_mm":
             routed = self.experts.forward_grouped(rows, expert_ends)
