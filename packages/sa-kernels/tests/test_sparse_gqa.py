@@ -927,3 +927,40 @@ def test_int64_ids_beyond_int32_are_padding_not_wrapped():
     expected = sparse_gqa_attention_reference(q, k, v, ids.clamp(max=24).masked_fill(ids >= 24, -1))
     for backend in ("reference", "gather"):
         torch.testing.assert_close(sparse_gqa_attention(q, k, v, ids, backend=backend), expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "gather", "auto"])
+@pytest.mark.parametrize(("batch", "queries"), [(1, 0), (0, 4)], ids=["no-queries", "no-batch"])
+def test_no_queries_give_an_empty_result_that_backpropagates(backend, batch, queries):
+    q, k, v, _ = _inputs(batch, queries, 4, 2, 8, 6, torch.float32)
+    ids = torch.zeros(batch, queries, 3, dtype=torch.int64)
+    out = sparse_gqa_attention(q, k, v, ids, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", ["reference", "gather", "auto"])
+def test_no_keys_channels_or_heads_are_refused_at_the_boundary(backend):
+    q, k, v, _ = _inputs(1, 3, 4, 2, 8, 5, torch.float32)
+    ids = torch.full((1, 3, 2), -1)
+    fn = "sparse_gqa_attention: "
+    with pytest.raises(
+        ValueError, match=fn + r"key and value must hold at least one key .*\(1, 0, 2, 8\)"
+    ):
+        sparse_gqa_attention(q, k[:, :0], v[:, :0], ids, backend=backend)
+    with pytest.raises(ValueError, match=fn + r"head_dim must be >= 1; got query \(1, 3, 4, 0\)"):
+        sparse_gqa_attention(q[..., :0], k[..., :0], v[..., :0], ids, backend=backend)
+    with pytest.raises(ValueError, match=fn + r"query heads \(0\) must be a positive multiple"):
+        sparse_gqa_attention(q[:, :, :0], k, v, ids, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "scale", [0.0, -0.25, torch.tensor(-1.0)], ids=["zero", "negative", "tensor"]
+)
+def test_non_positive_softmax_scale_is_refused_like_sparse_mla(scale):
+    q, k, v, gen = _inputs(1, 4, 2, 1, 8, 6, torch.float32)
+    ids = _random_ids((1, 4, 3), 6, gen)
+    for backend in ("reference", "gather"):
+        with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
+            sparse_gqa_attention(q, k, v, ids, scale, backend=backend)

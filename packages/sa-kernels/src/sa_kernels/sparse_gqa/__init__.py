@@ -7,9 +7,9 @@ only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled
 optional flash-attn-4; see `fa4.py`), "auto" (see `auto_backend`).
 
 Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
-head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) needed 256–368 KiB of shared
-memory with the route `mask_mod` (227 KiB available; measured 2026-11-29, docs/benchmarks.md), while
-head_dim 256 compiled with its 64×64, 2-stage defaults. `flex_kernel_options` therefore pins, for
+head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) need 256–368 KiB of shared
+memory with the route `mask_mod` (227 KiB available), while head_dim 256 compiles with its 64×64,
+2-stage defaults. `flex_kernel_options` therefore pins, for
 head_dim <= 128 (16-bit inputs on CUDA) and the bitmap mask_mod, the fastest configuration of an H200
 sweep that fits: forward 128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps.
 Every tile divides the 128-wide route tiles, as Flex requires (its BlockMask block size must be a
@@ -71,9 +71,10 @@ def _compiled_flex():
 # Flex tiles for head_dim <= 128 on CUDA (see the module docstring): forward BLOCK_M × BLOCK_N,
 # backward BLOCK_M1 × BLOCK_N1 (dK/dV) and BLOCK_M2 × BLOCK_N2 (dQ); unprefixed keys, which every
 # torch release with FlexAttention reads (forward and backward each take the names they know).
-# The H200 sweep (`bench_sparse_gqa.py --sweep`, 2026-11-29 17:24 UTC, clustered per-group routes,
-# 32k, Hq 64 / Hkv 4 / D 128) picked these: fwd+bwd 54.6 ms vs 77.2 ms for 64×64 tiles with 4 warps;
-# 128×128 forward tiles with a mask_mod need 294 912 bytes of shared memory (the limit is 232 448).
+# The fastest of `bench_sparse_gqa.py --sweep` on the H200 (clustered per-group routes, 32k,
+# Hq 64 / Hkv 4 / D 128, bitmap mask_mod): fwd+bwd 54.6 ms against 77.2 ms for 64×64 tiles with 4
+# warps; 128×128 forward tiles with a mask_mod need 294 912 bytes of shared memory (the limit is
+# 232 448).
 _SMALL_HEAD_FLEX_OPTIONS = {
     "BLOCK_M": 128,
     "BLOCK_N": 64,
@@ -163,8 +164,8 @@ def auto_backend(
     envelope where Flex was measured and tested, "fa4" if flash-attn-4 runs here and the routes are
     whole tiles plus exact causal cuts (`fa4.fa4_route_issue`), else "flex"; otherwise "gather"
     (verified on every route structure). At head_dim 256 a call without gradients (`requires_grad`
-    False) keeps Flex: FA4's forward there runs 64-key tiles and took 13.2 ms against Flex's 5.3 at
-    32k on the H200, while fwd+bwd it took 26.7 against 35.9 (docs/benchmarks.md, fourth session).
+    False) keeps Flex: FA4's forward there runs 64-key tiles and takes 13.2 ms against Flex's 5.3 at
+    32k on the H200, while fwd+bwd it takes 26.7 against 35.9 (docs/results/sparse_gqa_clustered.json).
     Clustered: the mask was built with its tile statistics (`build_flex=None` or True), its Flex
     BlockMask exists and the occupancy (selected pairs / area of the 128×128 tiles they
     touch) is at least FLEX_MIN_OCCUPANCY (0.5), so Flex's dense tile math wastes at most half of
@@ -223,10 +224,17 @@ def _validate(fn, query, key, value, token_ids, backend):
             f"got key {tuple(key.shape)}, value {tuple(value.shape)}"
         )
     kv_heads = key.shape[2]
-    if kv_heads < 1 or query_heads % kv_heads:
+    if kv_heads < 1 or query_heads < 1 or query_heads % kv_heads:
         raise ValueError(
-            f"{fn}: query heads ({query_heads}) must be a multiple of kv heads ({kv_heads})"
+            f"{fn}: query heads ({query_heads}) must be a positive multiple of kv heads ({kv_heads})"
         )
+    if key.shape[1] < 1:
+        raise ValueError(
+            f"{fn}: key and value must hold at least one key (kv_length >= 1); got key "
+            f"{tuple(key.shape)}"
+        )
+    if head_dim < 1:
+        raise ValueError(f"{fn}: head_dim must be >= 1; got query {tuple(query.shape)}")
     shared = (batch, queries)
     grouped = (batch, kv_heads, queries)
     if not (
@@ -276,8 +284,8 @@ def _scale(fn: str, softmax_scale: object) -> float:
     if not (real or one_element):
         raise TypeError(f"{fn}: softmax_scale must be None or a float; got {softmax_scale!r}")
     scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"{fn}: softmax_scale must be finite; got {scale}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: softmax_scale must be finite and > 0; got {scale}")
     return scale
 
 
@@ -318,13 +326,15 @@ def sparse_gqa_attention(
             sweeps).
     Returns:
         [batch, queries, query_heads, head_dim] in query.dtype; FP32 softmax; a row with no valid id
-        gives 0 and zero gradients.
+        gives 0 and zero gradients. With batch or queries 0 the (empty) result is returned without
+        running a backend.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
             block_mask that is not a RouteBlockMask, a softmax_scale that is not a number.
-        ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
-            softmax_scale that is not finite, a
-            block_mask built for other routes, backend 'fa4' on routes it does not serve.
+        ValueError: shapes that disagree, no key (kv_length 0), no channel (head_dim 0), no query
+            or KV head, an unknown backend, tensors on several devices, a softmax_scale that is not
+            finite and > 0, a block_mask built for other routes, backend 'fa4' on routes it does
+            not serve.
         RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
             TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given).
     """
@@ -333,6 +343,8 @@ def sparse_gqa_attention(
     if block_mask is not None:
         _check_block_mask(fn, block_mask, query, key, token_ids)
     scale = query.shape[-1] ** -0.5 if softmax_scale is None else _scale(fn, softmax_scale)
+    if query.shape[0] == 0 or query.shape[1] == 0:
+        return query * 0  # empty, and still on query's autograd graph
     on_cuda = query.device.type == "cuda"
     if backend == "fa4":
         if query.dtype not in (torch.bfloat16, torch.float16):
