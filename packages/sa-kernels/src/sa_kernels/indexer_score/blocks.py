@@ -127,7 +127,7 @@ def query_rows(
     holds rows m and m + 8, and row m + 4 sits 16 lanes away), a query's heads 0 and 1 (and 2 and 3)
     are then one thread's two rows, summed without a shuffle, and the two sums one shuffle apart;
     query-major rows put the four heads in four lanes, two shuffle rounds over twice the values
-    (offline sm_90a SASS, 2026-11-30: 338 instructions per tile against 513). Other head counts
+    (offline sm_90a SASS: 338 instructions per tile against 513). Other head counts
     get the same pairwise sums, not measured."""
     BLOCK_Q: tl.constexpr = BLOCK_M // HP
     Q_LO: tl.constexpr = BLOCK_Q if BLOCK_Q < 4 else 4

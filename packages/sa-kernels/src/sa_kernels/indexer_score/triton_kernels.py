@@ -40,9 +40,9 @@ except ImportError:  # pragma: no cover - older Triton: the tiles kernel only
     TensorDescriptor = None
 
 
-# Out's strides are not specialised: told that a row stride is a multiple of 16, Triton widened the
-# stores through a layout conversion in shared memory, and the Step-5 forward's scoring kernel went
-# from 18.4 to 23.0 ms on the H200 (2026-11-30). Unspecialised, the stores stay in the MMA layout.
+# Out's strides are not specialised: told that a row stride is a multiple of 16, Triton widens the
+# stores through a layout conversion in shared memory, which takes the Step-5 forward's scoring
+# kernel from 18.4 to 23.0 ms on the H200. Unspecialised, the stores stay in the MMA layout.
 @triton.jit(do_not_specialize=["so_b", "so_g", "so_q"])
 def _indexer_score_kernel(
     q_ptr,
@@ -273,37 +273,36 @@ def _resident(block_m: int, block_r: int, per_sm: int, warps: int, stages: int) 
 
 # The Triton resident kernel's one fixed launch config (no autotuning, so the summation order, hence every bit,
 # is the same on every run); the GPU default where the Gluon kernel does not run.
-# H200 sweep of 2026-11-29 18:56 UTC (torch 2.11, Triton 3.6, `bench_indexer_score.py --quick --sweep`, G4 H4 D256
+# The fastest of `bench_indexer_score.py --quick --sweep` on the H200 (torch 2.11, Triton 3.6, G4 H4 D256
 # R16384): resident 128 × 64, 8 warps, 3 stages, 1 program per SM, TMA summary loads: 368.4 TFLOP/s at Q 128 and
 # 457.7 at Q 2048, against 289 and 339.1 for the tiles kernel at 128 × 128 × 64 (1.31× over both shapes, same bits).
 # Shared memory: the query rows ([128, 256] bf16, 64 KiB) and 3 summary blocks of [64, 256] (32 KiB each).
-# It runs at every size: its host launch costs more (a TMA descriptor per call; eagerly, a Q 128 call took
-# 0.094 ms against 0.047 ms of GPU time on the H200, 19:43 UTC), but in a training step the host runs ahead of
-# the GPU, and at Q 128 its GPU time beat the tiles kernel's 0.060 ms. (A FLOPs threshold that sent small calls
-# to the tiles kernel for their eager time was dropped.)
+# It runs at every size: its host launch costs more (a TMA descriptor per call; eagerly, a Q 128 call takes
+# 0.094 ms against 0.047 ms of GPU time on the H200), but in a training step the host runs ahead of the GPU,
+# and at Q 128 its GPU time beats the tiles kernel's 0.060 ms, so calls are not routed by their FLOPs.
 DEFAULT_CONFIG = _resident(128, 64, per_sm=1, warps=8, stages=3)
 # The GPU default: the warp-specialised Gluon kernel (`gluon_kernels`: the same tiles and bits, 1.3-1.5x
 # on the H200) where it runs (SM90, bfloat16, at most 4 heads per group, a TMA-addressable summary),
 # DEFAULT_CONFIG elsewhere. "STAGES": summary blocks in flight (None: `gluon_kernels.STAGES`).
 GLUON_CONFIG = {"KERNEL": "gluon", "STAGES": None}
-# The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring); the
-# default before the 18:56 sweep.
+# The tiles kernel's config on the GPU wherever "resident" does not run (see the module docstring).
 _TILES_CONFIG = {"BLOCK_M": 128, "BLOCK_R": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
 
 
 _INTERPRET_CONFIG = {"BLOCK_M": 32, "BLOCK_R": 32, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
 
 
-# The Gluon kernel, then DEFAULT_CONFIG and its closest rivals in the 18:56 sweep (TFLOP/s at Q 128 / Q 2048), for
-# `bench_indexer_score.py --sweep` to re-check on another GPU or Triton. All give DEFAULT_CONFIG's bits. (Dropped as clear losers: the persistent
-# grid-stride tiles kernel, TMA score stores, and other tile shapes; resident 128 × 32 and 256 × 64 changed bits.)
+# The Gluon kernel, then DEFAULT_CONFIG and its closest rivals on the H200 (TFLOP/s at Q 128 / Q 2048), for
+# `bench_indexer_score.py --sweep` to re-check on another GPU or Triton. All give DEFAULT_CONFIG's bits. (Left out as
+# clear losers: the persistent grid-stride tiles kernel, TMA score stores, and other tile shapes; resident 128 × 32
+# and 256 × 64 give other bits.)
 SWEEP_CONFIGS = [
     GLUON_CONFIG,
     DEFAULT_CONFIG,
     _resident(128, 64, per_sm=1, warps=8, stages=4),  # 362.8 / 445.3
     _resident(128, 64, per_sm=2, warps=8, stages=1),  # 325.9 / 418.2: two programs share an SM
     _resident(128, 128, per_sm=1, warps=8, stages=2),  # 249.5 / 346.5
-    dict(_TILES_CONFIG),  # 289 / 339.1: the previous default
+    dict(_TILES_CONFIG),  # 289 / 339.1: the tiles kernel
 ]
 
 
@@ -353,9 +352,9 @@ def bound_args(bounds, out) -> tuple:
 FP_FUSION = False
 """Every scoring kernel is compiled without FMA contraction (`enable_fp_fusion=FP_FUSION`): each head's
 weighted score is rounded before the pairwise sums, as the oracle rounds each product. Contracted,
-`w0 · x0 + w1 · x1` kept one product unrounded, and which one depended on the compiler's reduction
-order: the Gluon and the Triton resident kernel gave different bits at 2 heads per group (H200,
-2026-11-30) though equal ones at 4."""
+`w0 · x0 + w1 · x1` keeps one product unrounded, and which one depends on the compiler's reduction
+order: the Gluon and the Triton resident kernel then give different bits at 2 heads per group on the
+H200, though equal ones at 4."""
 
 # CUDA's grid y (the tiles kernel's query blocks) stops at 65535 blocks.
 MAX_QUERY_BLOCKS = 65535
@@ -517,8 +516,8 @@ def indexer_score_tile(
     The GPU runs GLUON_CONFIG (DEFAULT_CONFIG where the Gluon kernel does not apply), the interpreter
     `_INTERPRET_CONFIG`. A "resident" config where that kernel
     cannot run (D > 256; float32 query on the GPU) runs the tiles kernel with `_TILES_CONFIG` (`_INTERPRET_CONFIG`
-    when interpreted), and so does one whose summary TMA cannot address (its pointer-load variant failed an H200
-    test on such a layout, 2026-11-29 19:03 UTC, and was removed).
+    when interpreted), and so does one whose summary TMA cannot address (the resident kernel loads summaries
+    by TMA only).
     """
     n_q = stop - start
     if out.numel() == 0:

@@ -13,13 +13,12 @@ step; the next slot's word comes from registers (`tl.gather`), and the word open
 step's first slot. The masks go out through `tl.store`, which converts the scan's 4-slots-per-thread layout to
 one slot per thread through shared memory: one warp store then spans ~32 words of the row instead of ~128 (by a
 simulation, not a measurement: about 77 L2 sector writes per row of 513 ids instead of ~220). Storing straight from the scan's registers with inline
-PTX skipped that round trip but paid the writes: 0.1223 ms (0.52x copy) against the default's 0.0967 ms.
+PTX skips that round trip but pays the writes: 0.1223 ms (0.52x copy) against the default's 0.0967 ms.
 
-H200, 2026-11-29 18:56 UTC, [1, 4, 16384, 513] sorted ids, 16384 regions: 0.0967 ms = 0.66x the device-to-device
-copy bandwidth of the same run, from 0.1433 ms (0.44x) for the one-slot-per-thread kernel before. (A histogram +
-prefix sum + gather variant that writes each word once measured 2.7x slower; a [rows, slots] tile per program,
-its warps split along the slots, was slower too; so were 2 warps per row and loading the ids shifted by one
-instead of `tl.gather`.)
+H200, [1, 4, 16384, 513] sorted ids, 16384 regions: 0.0967 ms = 0.66x the device-to-device copy bandwidth of
+the same run; a kernel scanning one slot per thread takes 0.1433 ms (0.44x). Slower on the same shape: a
+histogram + prefix sum + gather that writes each word once (2.7x), a [rows, slots] tile per program with its
+warps split along the slots, 2 warps per row, and the ids loaded shifted by one instead of `tl.gather`.
 """
 
 import torch
@@ -32,8 +31,8 @@ import triton.language as tl
 # setup). Triton gives the scan the register layout of the widest vector access of the same shape: 4 slots per
 # thread when ALIGN is 4 or the zeroing step has the scan's shape (BLOCK_W == BLOCK_S), else 2 (ALIGN 2) or 1.
 #
-# Default: the fastest of 16 configs on the H200 (2026-11-29 18:56 UTC, torch 2.11, Triton 3.6,
-# `bench_region_bitmap.py --quick --sweep`, [1, 4, 16384, 513] ids, 16384 regions): 0.0967 ms, 0.66x copy.
+# Default: the fastest of 16 configs on the H200 (torch 2.11, Triton 3.6, `bench_region_bitmap.py --quick
+# --sweep`, [1, 4, 16384, 513] ids, 16384 regions): 0.0967 ms, 0.66x copy.
 DEFAULT_CONFIG = {"BLOCK_S": 512, "BLOCK_T": 16, "ALIGN": 4, "BLOCK_W": 512, "ROWS": 2}
 # The default and its closest rivals in that sweep (ms, x copy): ALIGN 2 with one row per program (0.0978,
 # 0.65x), one row per program (0.1005, 0.63x), 128-slot steps (0.1075, 0.59x); 4 rows per program, the neighbour

@@ -208,9 +208,9 @@ PASS_ACCUMULATOR_ELEMENTS = 2**21
 
 def default_config(head_dim: int, backward: bool) -> dict:
     """Keys per step (`BLOCK_W`), warps and pipeline stages of one gather launch, and for the backward
-    the keys per pass (`KEY_SPLIT`; 0 = one pass): the H200 sweeps' best on scattered routes
-    (`bench_sparse_gqa.py --sweep-gather`, 2026-11-29, docs/benchmarks.md). Backward at 128k, D 128:
-    947 ms in one pass, 614 ms in passes of 16384 keys."""
+    the keys per pass (`KEY_SPLIT`; 0 = one pass): the fastest of `bench_sparse_gqa.py
+    --sweep-gather` on scattered routes on the H200. Backward at 128k, D 128: 947 ms in one pass,
+    614 ms in passes of 16384 keys."""
     if backward:
         split = PASS_ACCUMULATOR_ELEMENTS // head_dim
         return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": split}

@@ -26,8 +26,8 @@ Two kernels, one program per row:
   positions written from the registers.
 Where the Triton kernel walks the key bits one by one, a selection here (`_select`) narrows a
 bracket of keys by probes that interpolate the count in score: about 9 probes instead of 23 on
-random and Step-5-like rows (offline), the Step-5 forward's top-k 3.65 -> 3.37 ms at 65 536 tokens
-and 11.8 -> 11.1 ms at 131 072 on the H200 (docs/benchmarks.md, seventeenth session).
+random and Step-5-like rows (offline); on the H200 the Step-5 forward's top-k takes 3.37 ms at
+65 536 tokens and 11.1 ms at 131 072 with it, 3.65 and 11.8 with a bit walk.
 Same keys and tie order as `triton_kernels` (`-0.0` ties with `+0.0`, `-inf` lowest), so the same
 positions.
 
@@ -535,12 +535,11 @@ SHORT_ROW = 8192
 SHORT_ROW_REGISTERS = 48
 """The prefilter's registers on rows of up to SHORT_ROW entries (a register cap at launch): 10
 programs per SM instead of the 8 that the compiler's 62 registers leave (ncu, Triton 3.6). The
-capped kernel spills a few values (16-24 bytes of stack in the offline Triton 3.6 cubins) and ran
-faster all the same: on the H200 the Step-5 forward's top-k took 3.21 instead of 3.37 ms at 65 536
-tokens. Longer rows keep the compiler's count: 9 or 10 programs per SM ran them 3-12 % slower
+capped kernel spills a few values (16-24 bytes of stack in the offline Triton 3.6 cubins) and runs
+faster all the same: on the H200 the Step-5 forward's top-k takes 3.21 instead of 3.37 ms at 65 536
+tokens. Longer rows keep the compiler's count: 9 or 10 programs per SM run them 3-12 % slower
 (12 288 and 16 384 entries; presumably less of each row is still in L2 for the compaction pass).
-Under Triton 3.9 (offline) the kernel needs 56-62 registers uncapped, so the cap applies there too.
-docs/benchmarks.md, eighteenth and nineteenth sessions."""
+Under Triton 3.9 (offline) the kernel needs 56-62 registers uncapped, so the cap applies there too."""
 WHOLE_ROW_WARPS = 4
 WHOLE_ROW_MIN = 1024
 """Shortest row the Gluon kernels take (shorter ones: the Triton kernel's whole-row walk)."""

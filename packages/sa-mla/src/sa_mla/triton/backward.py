@@ -11,9 +11,9 @@ and two kernels.
    by many queries, and twice by one query); all head dims in one launch, so a token's rope dims
    read its ds tile from L2 next to its value dims (their p dot, against zero dO columns, adds
    nothing: one MMA in 18 at D 576 that the FLOP count does not include).
-Five MMAs in all, as the FLOP count assumes; the previous design recomputed the scores and dP in its
-dkv kernel too (seven). The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of
-tokens, on two streams. H200 figures of each step are in docs/benchmarks.md (2026-11-30).
+Five MMAs in all, as the FLOP count assumes (recomputing the scores and dP in the dkv kernel would
+take seven). The buffers hold at most SCORE_BUFFER_BYTES, so long inputs run in chunks of tokens, on
+two streams. The H200 figures are in docs/results/sparse_mla.json.
 """
 
 from dataclasses import dataclass, replace
@@ -190,8 +190,8 @@ def _sparse_mla_bwd_dq_kernel(
     ds_tile = DS + (t - t0) * stride_pt
     dq_nope = tl.zeros([BLOCK_H, DV], tl.float32)
     dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
-    # Each block's ids are loaded one block ahead, so the key gather need not wait for them (H200,
-    # docs/benchmarks.md 2026-11-30: the dq kernel 14.40 -> 13.88 ms at the goal's shape).
+    # Each block's ids are loaded one block ahead, so the key gather need not wait for them (H200:
+    # the dq kernel 13.88 ms at the goal's shape, 14.40 with the ids loaded in the block).
     next_ids = tl.load(
         idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < length, other=-1
     )
@@ -284,8 +284,8 @@ def _sparse_mla_bwd_dkv_kernel(
     offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     in_dims = offs_d < D
     q_part = _head_rows(Q, t, stride_qt, offs_h, stride_qh, offs_d, hmask, in_dims, UPCAST)
-    # dO has DV columns: zeros in the rope dims, where the p dot then adds nothing. (Masking off a
-    # rope block's p loads as well measured slower: docs/benchmarks.md, 2026-11-30.)
+    # dO has DV columns: zeros in the rope dims, where the p dot then adds nothing (masking off a
+    # rope block's p loads as well is slower on the H200: 12.02 ms of dkv kernel against 11.59).
     do_part = _head_rows(
         DOUT, t, stride_dot, offs_h, stride_doh, offs_d, hmask, offs_d < DV, UPCAST
     )

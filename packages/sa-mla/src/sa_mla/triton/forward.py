@@ -6,8 +6,8 @@ in blocks of BLOCK_K, gathers the latent rows they name (a duplicated id counts 
 the output and the natural-log lse (sink excluded, +inf when the row has no valid slot).
 
 On Hopper, bf16 inputs go to the warp-specialised Gluon kernel of `forward_hopper.py` instead (same
-outputs; H200, docs/benchmarks.md 2026-11-30: the kernels alone 8.05 -> 6.01 ms at the issue's
-shape). A launch config given explicitly always runs this kernel.
+outputs; on the H200 the kernel alone takes 6.01 ms at the issue's shape against 8.05 for this
+one). A launch config given explicitly always runs this kernel.
 """
 
 import torch
@@ -77,7 +77,7 @@ def _sparse_mla_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
     # Each block's ids are loaded one block ahead: the pipelined key gathers then start a block
-    # earlier (H200, docs/benchmarks.md 2026-11-30: 8.19 -> 8.04 ms at the goal's shape).
+    # earlier (H200: 8.04 ms at the goal's shape, 8.19 with the ids loaded in the block).
     next_ids = tl.load(
         idx_row + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < length, other=-1
     )

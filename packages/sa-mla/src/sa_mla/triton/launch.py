@@ -73,12 +73,12 @@ def dkv_configs(heads: int) -> list[LaunchConfig]:
     """dkv += ds^T q + p^T dO in blocks of block_d dims per program: a [BLOCK_K, block_d] FP32
     accumulator, converted through shared memory for the vectorised atomics, beside the block's q and
     dO columns (resident in shared memory). Up to 128 heads per program: every head block adds its
-    own share to the same dkv rows, so fewer blocks mean fewer atomics (H200, 2026-11-30: 128 heads
-    × 64 slots × 64 dims took the whole backward from 36.45 to 29.44 ms against 64 heads × 128 dims).
+    own share to the same dkv rows, so fewer blocks mean fewer atomics (H200: with 128 heads × 64
+    slots × 64 dims the whole backward takes 29.44 ms against 36.45 with 64 heads × 128 dims).
 
-    The kernel is memory-bound, so programs per SM matter (H200, docs/benchmarks.md 2026-11-30):
-    - a mask on loaded values once split its p/ds loads into 2-byte ones and took it from 64 to 110
-      registers (two programs per SM instead of four): the backward went from 27.7 to 34.6 ms;
+    The kernel is memory-bound, so programs per SM matter (H200):
+    - a mask on loaded values splits its p/ds loads into 2-byte ones and takes it from 64 to 110
+      registers (two programs per SM instead of four): the backward goes from 27.7 to 34.6 ms;
     - slot ranges of 512 (with the backward's ascending ids, the programs in flight add into about a
       quarter of the dkv rows at a time) want 74 registers, capped at 64 (no spills in Triton 3.6);
     - two stages (112 KiB of shared memory, so two programs per SM; the p/ds tiles loaded

@@ -2,7 +2,7 @@
 
 The backward walks these rows: its kernels skip the invalid tail, and with ascending ids the dkv
 programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which stay
-in L2 (H200, docs/benchmarks.md 2026-11-30: the backward from 27.67 to 26.59 ms).
+in L2 (on the H200 the backward takes 26.59 ms with ascending ids against 27.67 without).
 
 `sa_mla.canonical.ascending_valid_ids_reference` is the PyTorch definition (also `canonical_topk`'s
 compaction for the fused path). `ascending_valid_ids` marks the invalid slots and counts the valid

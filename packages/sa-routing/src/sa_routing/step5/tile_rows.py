@@ -4,7 +4,7 @@ dense ids on the others.
 Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, relative to the tile's
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
 ops that is an add, a cast, a concatenation, a select and a copy over the tile (about 4.6 ms of a
-128k forward on the H200, 2026-11-30); the kernel (`tile_rows_triton`, imported only where it
+128k forward on the H200); the kernel (`tile_rows_triton`, imported only where it
 runs) reads the positions once and writes int32 once. Where `stable_topk` already wrote a
 call's kept ids into the selection (`kept=None`), only the current regions and the dense rows are
 left to write.
