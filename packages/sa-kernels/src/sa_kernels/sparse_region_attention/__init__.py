@@ -1,0 +1,379 @@
+"""`sparse_region_attention`: causal softmax attention of each query over the keys of the regions its
+KV group selected (Step-5 CSA, SEMANTICS §1.2), without expanding region ids to token ids.
+
+Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that read
+each selected region's key rows from `region_sources` and load only those K/V rows; on CPU through
+TRITON_INTERPRET=1), "flex" (compiled FlexAttention over `build_region_block_mask`'s 128×128
+BlockMask, whose mask_mod reads the query's packed region bitmap at the key's region; CUDA only),
+"auto" (see `auto_backend`). "fa4" is refused: FlashAttention-4's block-sparse path takes tiles
+plus its own causal mask, and region routes need a per-key membership test it does not run.
+
+Flex kernel options are `sparse_gqa.flex_kernel_options`' (bitmap mask_mod): on sm_90 with 16-bit
+inputs and head_dim <= 128 the tiles that fit its shared memory there; torch's defaults otherwise.
+"""
+
+import functools
+import math
+import numbers
+
+import torch
+
+from sa_kernels.backend import triton_interpret
+from sa_kernels.sparse_gqa import FLEX_TESTED_CAPABILITIES, flex_kernel_options
+
+from .block_mask import (
+    FLEX_MIN_OCCUPANCY,
+    RegionBlockMask,
+    RegionTileStatistics,
+    build_region_block_mask,
+)
+from .reference import sparse_region_attention_reference
+from .triton_kernels import MAX_HEAD_DIM, region_attention_backward, region_attention_forward
+
+__all__ = [
+    "RegionBlockMask",
+    "RegionTileStatistics",
+    "auto_backend",
+    "build_region_block_mask",
+    "sparse_region_attention",
+    "sparse_region_attention_reference",
+]
+
+BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_FLEX_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _RegionGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, routes, counts, sources, query_start, scale):
+        out, lse = region_attention_forward(
+            query, key, value, routes, counts, sources, query_start, scale
+        )
+        ctx.save_for_backward(query, key, value, out, lse, routes, counts, sources)
+        ctx.query_start = query_start
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse, routes, counts, sources = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        dq, dk, dv = region_attention_backward(
+            query, key, value, out, grad_out, lse, routes, counts, sources,
+            ctx.query_start, ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(attention, query, key, value, block_mask: RegionBlockMask, scale: float):
+    """Flex attention over the region BlockMask in our [batch, tokens, heads, dim] layout."""
+    capability = torch.cuda.get_device_capability(query.device) if query.is_cuda else None
+    options = flex_kernel_options(
+        query.shape[-1], query.dtype, query.device.type, capability, bitmap_mask=True
+    )
+    extra = {} if options is None else {"kernel_options": options}
+    out = attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        block_mask=block_mask.flex,
+        scale=scale,
+        enable_gqa=True,
+        **extra,
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def _flex_may_serve(device: torch.device, dtype: torch.dtype, capability) -> bool:
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return dtype in _FLEX_AUTO_DTYPES and capability in FLEX_TESTED_CAPABILITIES
+
+
+def auto_backend(
+    block_mask: RegionBlockMask,
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: tuple[int, int] | None = None,
+) -> str:
+    """The backend `backend="auto"` runs for these routes: "reference", "flex" or "gather".
+
+    CPU: "reference". CUDA: "flex" when the mask holds a Flex BlockMask, its tile statistics show
+    the routes clustering into tiles (occupancy = selected pairs / area of the touched 128×128
+    tiles >= FLEX_MIN_OCCUPANCY, 0.5: Flex's dense tile math then wastes at most half its work,
+    while the gather kernels' cost follows the selected pairs), the inputs are bfloat16/float16 and
+    the GPU's compute capability is in `sparse_gqa.FLEX_TESTED_CAPABILITIES` (`capability`;
+    default: the device's own); also "flex" for head_dim > 256, which the gather kernels do not
+    take, when the mask holds one; "gather" otherwise. The threshold is sparse_gqa's (measured on
+    token routes); bench_sparse_region_attention.py times both backends on region routes. Decided
+    from host numbers the mask build already holds: no device sync.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "reference"
+    if block_mask.flex is not None and head_dim > MAX_HEAD_DIM:
+        return "flex"
+    stats = block_mask.statistics
+    if (
+        block_mask.flex is not None
+        and stats is not None
+        and stats.occupancy >= FLEX_MIN_OCCUPANCY
+        and _flex_may_serve(device, dtype, capability)
+    ):
+        return "flex"
+    return "gather"
+
+
+def _validate(fn, query, key, value, region_ids, region_sources, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
+    tensors = (
+        ("query", query),
+        ("key", key),
+        ("value", value),
+        ("region_ids", region_ids),
+        ("region_sources", region_sources),
+    )
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    for name, t in tensors[:3]:
+        if t.dim() != 4:
+            raise ValueError(
+                f"{fn}: {name} must be 4-D [batch, tokens, heads, head_dim]; got shape "
+                f"{tuple(t.shape)}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"{fn}: query, key and value must share one dtype; got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
+        )
+    if not query.dtype.is_floating_point:
+        raise TypeError(f"{fn}: query must be a floating tensor; got {query.dtype}")
+    if region_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: region_ids must be int32 or int64; got {region_ids.dtype}")
+    if region_sources.dtype != torch.int32:
+        raise TypeError(f"{fn}: region_sources must be int32; got {region_sources.dtype}")
+    batch, queries, heads, head_dim = query.shape
+    if min(query.shape) < 1:
+        raise ValueError(f"{fn}: query must have no empty dim; got shape {tuple(query.shape)}")
+    if (
+        key.shape != value.shape
+        or key.shape[0] != batch
+        or key.shape[3] != head_dim
+        or min(key.shape) < 1
+    ):
+        raise ValueError(
+            f"{fn}: key and value must be [batch={batch}, kv_length >= 1, kv_groups, "
+            f"head_dim={head_dim}]; got key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    groups = key.shape[2]
+    if heads % groups:
+        raise ValueError(f"{fn}: query heads ({heads}) must be a multiple of kv_groups ({groups})")
+    if region_ids.dim() != 4 or tuple(region_ids.shape[:3]) != (batch, groups, queries):
+        raise ValueError(
+            f"{fn}: region_ids must be [batch, kv_groups, queries, slots] = [{batch}, {groups}, "
+            f"{queries}, slots]; got {tuple(region_ids.shape)}"
+        )
+    if region_ids.shape[-1] < 1:
+        raise ValueError(f"{fn}: region_ids must hold at least one slot per row; got 0")
+    if (
+        region_sources.dim() != 3
+        or region_sources.shape[0] != batch
+        or min(region_sources.shape) < 1
+    ):
+        raise ValueError(
+            f"{fn}: region_sources must be [batch={batch}, regions >= 1, region_size >= 1]; got "
+            f"{tuple(region_sources.shape)}"
+        )
+    devices = {t.device for _, t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{fn}: all tensors must be on one device; got {sorted(map(str, devices))}"
+        )
+
+
+def _query_start(fn: str, query_start: object, queries: int, kv_length: int) -> int:
+    if isinstance(query_start, bool) or not isinstance(query_start, numbers.Integral):
+        raise TypeError(f"{fn}: query_start must be an int; got {query_start!r}")
+    query_start = int(query_start)
+    if not 0 <= query_start <= kv_length - queries:
+        raise ValueError(
+            f"{fn}: query_start must be in [0, kv_length - queries] = [0, {kv_length - queries}] "
+            f"(the queries are global rows [query_start, query_start + {queries}) of the "
+            f"{kv_length} keys); got {query_start}"
+        )
+    return query_start
+
+
+def _scale(fn: str, softmax_scale: object, head_dim: int) -> float:
+    """None (head_dim ** -0.5), a real number or a one-element tensor (read once) as a finite
+    positive float."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    one_element = isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
+    if not (real or one_element):
+        raise TypeError(f"{fn}: softmax_scale must be None or a float; got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: softmax_scale must be finite and > 0; got {scale}")
+    return scale
+
+
+def _check_block_mask(fn, block_mask, region_ids, region_sources, key, heads, query_start):
+    if not isinstance(block_mask, RegionBlockMask):
+        raise TypeError(
+            f"{fn}: block_mask must be a RegionBlockMask from build_region_block_mask; got "
+            f"{type(block_mask).__name__}"
+        )
+    built = (
+        tuple(block_mask.routes.shape),
+        block_mask.region_count,
+        block_mask.kv_length,
+        block_mask.query_heads,
+        block_mask.query_start,
+        block_mask.routes.device,
+    )
+    wanted = (
+        tuple(region_ids.shape),
+        region_sources.shape[1],
+        key.shape[1],
+        heads,
+        query_start,
+        region_ids.device,
+    )
+    if built != wanted:
+        names = "(routes shape, regions, kv_length, query_heads, query_start, device)"
+        raise ValueError(
+            f"{fn}: block_mask was built for {names} = {built}; these inputs need {wanted}"
+        )
+
+
+def sparse_region_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    region_ids: torch.Tensor,
+    region_sources: torch.Tensor,
+    *,
+    query_start: int = 0,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    block_mask: RegionBlockMask | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention of each query over the keys of its KV group's selected regions.
+
+    Query row q (global row query_start + q) attends, for its KV group, to every key row k listed
+    by one of its selected regions with k <= query_start + q. Regions lie inside the query's
+    document by construction, so no document test is made.
+
+    Args:
+        query: [batch, queries, heads, head_dim] bf16/fp16/fp32 (float64: reference only).
+        key: [batch, kv_length, kv_groups, head_dim], same dtype; heads % kv_groups == 0, the heads
+            of group g are g·hpg … (g + 1)·hpg − 1 (hpg = heads // kv_groups).
+        value: [batch, kv_length, kv_groups, head_dim], same dtype.
+        region_ids: int32 (or int64) [batch, kv_groups, queries, slots], the selected region ids
+            of each (batch, group, query), e.g. `RegionSelection.region_ids`; ids outside
+            [0, regions) are unused slots, any order, repeats count once.
+        region_sources: int32 [batch, regions, region_size], the key row of each offset of each
+            region, -1 (or any row outside [0, kv_length)) where it has none, e.g.
+            `RegionMetadata.region_sources`. Regions must be disjoint (a key row listed at most
+            once per batch row), as region metadata builds them.
+        query_start: global row of query 0 (a context-parallel shard's start); the queries are rows
+            [query_start, query_start + queries) of the kv_length keys.
+        softmax_scale: multiplies the scores; default head_dim ** -0.5; finite and > 0.
+        backend: "auto" | "gather" | "flex" | "reference" ("fa4" raises). "auto": the reference
+            on CPU; on CUDA Flex when the routes cluster into 128×128 tiles, else the gather
+            kernels (`auto_backend` gives the rule).
+        block_mask: a `build_region_block_mask(region_ids, region_sources, kv_length, heads,
+            query_start=...)` result for these routes, to reuse across calls (recompute); built
+            here when None (auto on CUDA with 16-bit inputs computes the tile statistics: one more
+            host sync). When given, the fast backends attend over its canonical routes and do not
+            read `region_ids` again (only their shape is checked), so it must come from these ids;
+            the reference reads `region_ids`.
+    Returns:
+        [batch, queries, heads, head_dim] in query.dtype; FP32 softmax; a row with no visible key
+        gives 0 and zero gradients.
+    Raises:
+        TypeError: non-tensor inputs, mismatched or unsupported dtypes (float64 on a fast backend),
+            non-integer region_ids, region_sources not int32, query_start not an int, a
+            softmax_scale that is not a number, a block_mask that is not a RegionBlockMask.
+        ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
+            query_start outside [0, kv_length - queries], a softmax_scale that is not finite and
+            positive, a block_mask built for other inputs or without the Flex mask for 'flex',
+            head_dim > 256 on 'gather'.
+        RuntimeError: 'fa4' (not wired for region routes), 'flex' on CPU tensors, 'gather' on CPU
+            without TRITON_INTERPRET=1.
+    """
+    fn = "sparse_region_attention"
+    _validate(fn, query, key, value, region_ids, region_sources, backend)
+    batch, queries, heads, head_dim = query.shape
+    kv_length = key.shape[1]
+    query_start = _query_start(fn, query_start, queries, kv_length)
+    scale = _scale(fn, softmax_scale, head_dim)
+    if block_mask is not None:
+        _check_block_mask(fn, block_mask, region_ids, region_sources, key, heads, query_start)
+    if backend == "fa4":
+        raise RuntimeError(
+            f"{fn}: backend='fa4' is not wired for region routes (FA4's block sparsity takes whole "
+            "tiles plus its own causal mask; selected regions need a per-key membership test); "
+            "use 'gather', 'flex' or 'auto'"
+        )
+    on_cuda = query.device.type == "cuda"
+    if backend == "auto" and not on_cuda:
+        backend = "reference"
+    if backend == "reference":
+        return sparse_region_attention_reference(
+            query, key, value, region_ids, region_sources, query_start, scale
+        )
+    if query.dtype not in _FLOATS:
+        raise TypeError(
+            f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
+        )
+    if backend == "flex" and not on_cuda:
+        raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
+    if backend == "gather" and not on_cuda and not triton_interpret():
+        raise RuntimeError(
+            f"{fn}: backend='gather' on {query.device} tensors needs TRITON_INTERPRET=1 "
+            "(Triton's interpreter); use CUDA tensors or backend='reference'"
+        )
+    region_sources = (
+        region_sources if region_sources.stride(-1) == 1 else region_sources.contiguous()
+    )
+    if block_mask is None:
+        if backend == "auto":
+            flex_ok = _flex_may_serve(query.device, query.dtype, None)
+            build_flex = True if head_dim > MAX_HEAD_DIM else (None if flex_ok else False)
+        else:
+            build_flex = backend == "flex"
+        block_mask = build_region_block_mask(
+            region_ids,
+            region_sources,
+            kv_length,
+            heads,
+            query_start=query_start,
+            build_flex=build_flex,
+        )
+    if backend == "auto":
+        backend = auto_backend(block_mask, query.device, dtype=query.dtype, head_dim=head_dim)
+    if backend == "flex":
+        if block_mask.flex is None:
+            raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
+        return _flex(_compiled_flex(), query, key, value, block_mask, scale)
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: backend='gather' takes head_dim <= {MAX_HEAD_DIM}; got {head_dim}")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    return _RegionGather.apply(
+        query, key, value, block_mask.routes, block_mask.counts, region_sources, query_start, scale
+    )

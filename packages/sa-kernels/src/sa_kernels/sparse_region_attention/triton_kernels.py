@@ -1,0 +1,382 @@
+"""Gather kernels over selected regions: each program is one (batch, query, KV group) and the group's
+query heads, which share the query's region list.
+
+Routes come canonical (`sparse_gqa.routes.canonical_routes` with the region count as sentinel): per
+row its `count` distinct valid region ids ascending, then the sentinel. A step of the loop takes
+`BLOCK_W // BLOCK_RS` *virtual slots*; a virtual slot is one region (or, when the region is longer
+than BLOCK_RS, one BLOCK_RS-long chunk of it), whose key rows the kernel reads from `region_sources`
+and then loads from K and V. A key is masked where its source is -1 or outside [0, kv_length), and
+above the query's global row (causal). Only those rows are loaded; region ids are never expanded to
+token ids in memory.
+
+Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. The backward recomputes
+P from it, keeps dQ in registers and scatters dK and dV into FP32 buffers with FP32 atomics (one add
+per visible key and column; no key repeats inside a program, regions being disjoint). As in
+`sparse_gqa`'s gather backward, when the keys' FP32 accumulators outgrow the L2 cache it runs in
+passes over region ranges (`REGION_SPLIT` regions each; region ids number the key rows in order, so a
+region range is a key range): a program (query, group, pass) visits only its slots inside the range
+(bounds found by binary search on the ascending routes), programs are numbered pass-major, and dQ is
+summed over the passes with FP32 atomics.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sa_kernels.backend import triton_interpret
+from sa_kernels.sparse_gqa.triton_kernels import PASS_ACCUMULATOR_ELEMENTS, key_split_bounds
+from sa_kernels.triton_dot import fp32_dot
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _load_group_rows(ptr, b64, q64, stride_b, stride_q, stride_h, heads, offs_d, mask):
+    """[BLOCK_G, BLOCK_D] rows of one query's heads of a [B, Q, H, D] tensor (last-dim stride 1)."""
+    rows = ptr + b64 * stride_b + q64 * stride_q + heads[:, None] * stride_h + offs_d[None, :]
+    return tl.load(rows, mask=mask, other=0.0)
+
+
+@triton.jit
+def _region_keys(
+    route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
+    REGION_SIZE: tl.constexpr, BLOCK_RS: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    """Key rows (int64, 0 where masked) and visibility of virtual slots start … start + BLOCK_W //
+    BLOCK_RS − 1 (of those below `stop`): slot v is chunk v % CHUNKS of route slot v // CHUNKS."""
+    v = start + offs_w // BLOCK_RS
+    if CHUNKS == 1:
+        slot = v
+        j = offs_w % BLOCK_RS
+    else:
+        slot = v // CHUNKS
+        j = (v % CHUNKS) * BLOCK_RS + offs_w % BLOCK_RS
+    rid = tl.load(route_base + slot, mask=v < stop, other=regions)
+    live = (rid < regions) & (j < REGION_SIZE)
+    src = tl.load(src_base + rid.to(tl.int64) * stride_sn + j, mask=live, other=-1)
+    visible = (src >= 0) & (src <= row) & (src < kv_length)
+    return tl.where(visible, src, 0).to(tl.int64), visible
+
+
+@triton.jit
+def _region_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_rb, stride_rh, stride_rq,
+    stride_cb, stride_ch,
+    stride_sb, stride_sn,
+    stride_ob, stride_oq, stride_oh,
+    stride_lb, stride_lh,
+    kv_heads, kv_length, regions, query_start, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_w = tl.arange(0, BLOCK_W)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = h * GROUP + offs_g
+    b64 = b.to(tl.int64)
+    q64 = q_idx.to(tl.int64)
+    h64 = h.to(tl.int64)
+    row = query_start + q_idx
+    q = _load_group_rows(
+        q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d,
+        g_mask[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
+    stop = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
+    src_base = src_ptr + b64 * stride_sb
+    k_base = k_ptr + b64 * stride_kb + h * stride_kh
+    v_base = v_ptr + b64 * stride_vb + h * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, stop, BLOCK_W // BLOCK_RS):
+        ids, w_mask = _region_keys(
+            route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
+            REGION_SIZE, BLOCK_RS, CHUNKS,
+        )  # fmt: skip
+        kv_mask = w_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+        s = tl.where(w_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = fp32_dot(p.to(v.dtype), v, IEEE, UPCAST)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_base = out_ptr + b64 * stride_ob + q64 * stride_oq
+    tl.store(
+        o_base + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+    # Log-sum-exp in the exp2 domain of the scaled scores; +inf marks a row with no visible key.
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, lse, mask=g_mask)
+
+
+@triton.jit
+def _region_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, counts_ptr, bounds_ptr, src_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_oq, stride_oh,
+    stride_dob, stride_doq, stride_doh,
+    stride_lb, stride_lh,
+    stride_rb, stride_rh, stride_rq,
+    stride_cb, stride_ch,
+    stride_sb, stride_sn,
+    stride_dqb, stride_dqq, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    queries, kv_heads, passes, kv_length, regions, query_start, scale, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    b64 = b.to(tl.int64)
+    q64 = q_idx.to(tl.int64)
+    h64 = h.to(tl.int64)
+    if SPLIT:  # this pass's route slots [lo, hi); bounds [B, kv_heads, Q, passes + 1]
+        bound = bounds_ptr + ((b64 * kv_heads + h64) * queries + q64) * (passes + 1)
+        lo = tl.load(bound + tl.program_id(2)) * CHUNKS
+        hi = tl.load(bound + tl.program_id(2) + 1) * CHUNKS
+    else:
+        lo = tl.zeros([], dtype=tl.int32)
+        hi = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
+    # dq starts zeroed: a program with no slots in its range leaves its rows as they are
+    if hi > lo:
+        row = query_start + q_idx
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_w = tl.arange(0, BLOCK_W)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        gd_mask = g_mask[:, None] & d_mask[None, :]
+        heads = h * GROUP + offs_g
+        q = _load_group_rows(
+            q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d, gd_mask
+        )
+        do = _load_group_rows(
+            do_ptr, b64, q64, stride_dob, stride_doq, stride_doh, heads, offs_d, gd_mask
+        )
+        o = _load_group_rows(
+            o_ptr, b64, q64, stride_ob, stride_oq, stride_oh, heads, offs_d, gd_mask
+        )
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
+        route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
+        src_base = src_ptr + b64 * stride_sb
+        k_base = k_ptr + b64 * stride_kb + h * stride_kh
+        v_base = v_ptr + b64 * stride_vb + h * stride_vh
+        dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
+        dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
+        dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_W // BLOCK_RS):
+            ids, w_mask = _region_keys(
+                route_base, src_base, start, hi, offs_w, row, regions, kv_length, stride_sn,
+                REGION_SIZE, BLOCK_RS, CHUNKS,
+            )  # fmt: skip
+            kv_mask = w_mask[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+            dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
+            p = tl.exp2(s * scale_log2 - lse[:, None])  # lse = +inf (no visible key): p = 0
+            p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
+            dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+            dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+            rows = ids[:, None] * stride_dks + offs_d[None, :]
+            tl.atomic_add(dk_base + rows, dk * scale, mask=kv_mask, sem="relaxed")
+            tl.atomic_add(dv_base + rows, dv, mask=kv_mask, sem="relaxed")
+        dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
+        if SPLIT:
+            tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
+        else:
+            tl.store(
+                dq_rows + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=gd_mask
+            )
+
+
+def default_config(head_dim: int, backward: bool) -> dict:
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one launch, and for the backward the
+    regions per pass (`REGION_SPLIT`; 0 = one pass; the launcher turns the key count
+    PASS_ACCUMULATOR_ELEMENTS // head_dim into regions). These are `sparse_gqa`'s gather defaults
+    (its H200 sweeps on scattered token routes), not a sweep over region routes."""
+    if backward:
+        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": None}
+    return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
+
+
+# Candidates `bench_sparse_region_attention.py --sweep-gather` times against the defaults.
+SWEEP_FORWARD_CONFIGS = [
+    {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
+    for w in (32, 64, 128)
+    for warps in (4, 8)
+    for stages in (2, 3)
+]
+SWEEP_BACKWARD_CONFIGS = [
+    {"BLOCK_W": w, "num_warps": 4, "num_stages": stages, "KEY_SPLIT": split}
+    for w in (16, 32, 64)
+    for stages in (2, 3)
+    for split in (0, 8192, 16384)
+]
+
+
+def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> tuple[int, int, int, int]:
+    """BLOCK_G, BLOCK_D, BLOCK_RS (key rows of one virtual slot) and CHUNKS (virtual slots per region)."""
+    block_rs = min(triton.next_power_of_2(region_size), block_w)
+    return (
+        max(16, triton.next_power_of_2(group)),
+        max(16, triton.next_power_of_2(head_dim)),
+        block_rs,
+        triton.cdiv(region_size, block_rs),
+    )
+
+
+def _interpreted_16_bit(query: torch.Tensor) -> bool:
+    return triton_interpret() and query.dtype != torch.float32
+
+
+def region_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    region_sources: torch.Tensor,
+    query_start: int,
+    scale: float,
+    *,
+    _config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Q, H, D] (query dtype) and lse FP32 [B, H, Q] (log2 domain of scale·scores).
+
+    routes: int32 [B, G, Q, W] canonical (sentinel `regions`), counts int32 [B, G, Q],
+    region_sources int32 [B, regions, region_size] with unit last stride. `_config` ({"BLOCK_W",
+    "num_warps", "num_stages"}) overrides the launch (benchmark sweeps)."""
+    batch, queries, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    group = heads // kv_heads
+    regions, region_size = region_sources.shape[1:]
+    out = torch.empty_like(query)
+    lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
+    config = _config or default_config(head_dim, backward=False)
+    block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
+    grid = (queries, batch * kv_heads)
+    _region_fwd_kernel[grid](
+        query, key, value, routes, counts, region_sources, out, lse,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        routes.stride(0), routes.stride(1), routes.stride(2),
+        counts.stride(0), counts.stride(1),
+        region_sources.stride(0), region_sources.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        kv_heads, key.shape[1], regions, query_start, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
+        IEEE=query.dtype == torch.float32, UPCAST=_interpreted_16_bit(query),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    return out, lse
+
+
+def region_split(config: dict, head_dim: int, region_size: int) -> int:
+    """Regions per backward pass (0: one pass) of a backward `config`; KEY_SPLIT None means
+    PASS_ACCUMULATOR_ELEMENTS // head_dim keys."""
+    keys = config.get("KEY_SPLIT")
+    if keys is None:
+        keys = PASS_ACCUMULATOR_ELEMENTS // head_dim
+    return max(1, keys // region_size) if keys else 0
+
+
+def region_attention_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    region_sources: torch.Tensor,
+    query_start: int,
+    scale: float,
+    *,
+    _config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward
+    plus "KEY_SPLIT" (keys per pass, 0: one pass, None: the default).
+
+    dK and dV are FP32 atomic sums, so their last bits can differ between runs; with more than one
+    pass, dq too (summed over the passes in an FP32 buffer of the query's shape)."""
+    batch, queries, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    group = heads // kv_heads
+    regions, region_size = region_sources.shape[1:]
+    config = _config or default_config(head_dim, backward=True)
+    block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
+    split = region_split(config, head_dim, region_size)
+    passes = triton.cdiv(regions, split) if split else 1
+    if passes > 1:
+        bounds = key_split_bounds(routes, regions, split)
+        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    else:
+        bounds = counts  # a placeholder pointer: the kernel reads bounds only with SPLIT
+        dq = torch.zeros_like(query)
+    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    grid = (queries, batch * kv_heads, passes)
+    _region_bwd_kernel[grid](
+        query, key, value, out, grad_out, lse, routes, counts, bounds, region_sources,
+        dq, dk, dv,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        lse.stride(0), lse.stride(1),
+        routes.stride(0), routes.stride(1), routes.stride(2),
+        counts.stride(0), counts.stride(1),
+        region_sources.stride(0), region_sources.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        queries, kv_heads, passes, key.shape[1], regions, query_start, scale, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
+        SPLIT=passes > 1,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
+        IEEE=query.dtype == torch.float32, UPCAST=_interpreted_16_bit(query),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
