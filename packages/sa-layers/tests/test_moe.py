@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sa_layers.moe as moe_module
 from sa_layers import ClampedSwiGLUMLP
 from sa_layers.moe import Step5MLP, Step5MoE
 
@@ -41,7 +42,7 @@ def moe_reference(moe: Step5MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[li
             shared.down_proj.weight,
             shared.limit,
         )
-        for weight, e in zip(weights, chosen):
+        for weight, e in zip(weights, chosen, strict=True):
             routed = mlp_formula(
                 token, experts.gate_proj[e], experts.up_proj[e], experts.down_proj[e], experts.limit
             )
@@ -205,6 +206,20 @@ def test_grouped_mm_path_matches_the_loop_path_on_cpu(dtype):
     assert_grouped_matches_loop("cpu", dtype, *tolerance)
 
 
+def test_grouped_mm_probe_at_a_first_forward_under_inference_mode_still_passes(monkeypatch):
+    if grouped_mm_refusal_on("cpu", torch.float32) is not None:
+        pytest.skip("torch._grouped_mm does not run on CPU here")
+    probes = {}
+    monkeypatch.setattr(moe_module, "_GROUPED_MM_PROBES", probes)
+    moe = make_moe(expert_backend="grouped_mm")
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        out = moe(x)
+    assert probes == {("cpu", None, torch.float32): None}
+    moe.expert_backend = "loop"
+    torch.testing.assert_close(out, moe(x), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_grouped_mm_path_matches_the_loop_path_in_bf16_on_cuda():
     refusal = grouped_mm_refusal_on("cuda", torch.bfloat16)
@@ -318,9 +333,13 @@ def test_bad_configuration_raises_naming_the_argument(overrides, error, message)
 
 def test_bad_inputs_raise_naming_the_argument():
     moe = make_moe()
-    with pytest.raises(ValueError, match=r"Step5MoE: x must be \[\.\.\., hidden_size=16\]; got \(4, 15\)"):
+    with pytest.raises(
+        ValueError, match=r"Step5MoE: x must be \[\.\.\., hidden_size=16\]; got \(4, 15\)"
+    ):
         moe(torch.randn(4, 15))
-    with pytest.raises(TypeError, match=r"Step5MoE: x must have the experts' dtype \(torch.float32\)"):
+    with pytest.raises(
+        TypeError, match=r"Step5MoE: x must have the experts' dtype \(torch.float32\)"
+    ):
         moe(torch.randn(4, 16, dtype=torch.float64))
     with pytest.raises(TypeError, match="Step5MoE: x must be a tensor"):
         moe([0.0] * 16)
@@ -332,5 +351,5 @@ def test_bad_inputs_raise_naming_the_argument():
 
 def test_forced_grouped_mm_where_it_cannot_run_raises_with_the_reason():
     moe = make_moe(hidden_size=6, expert_backend="grouped_mm")  # 6 fp32 = 24 bytes per row
-    with pytest.raises(RuntimeError, match="grouped_mm' cannot run: .*hidden_size=6"):
+    with pytest.raises(RuntimeError, match=r"grouped_mm' cannot run: .*hidden_size=6"):
         moe(torch.randn(3, 6))

@@ -11,12 +11,14 @@ an aux-loss-free balancing bias (DeepSeek-V3 style), and adds one always-on shar
 3. experts: `torch._grouped_mm` over the sorted rows (no host synchronisation), or a loop over experts
    on contiguous slices (one `.tolist()` of the expert offsets per forward);
 4. combine: the expert rows go back to token order and `shared(x) + Σ_k w_k · y_k` is one batched matmul
-   (`baddbmm`) that accumulates in FP32 on GPUs and rounds once to the activation dtype.
+   (`baddbmm`): the FP32 weights enter it rounded to the activation dtype, the products accumulate in
+   FP32 on GPUs and the sum rounds once to the activation dtype.
 
 Gathers whose backward would sum by atomics (the `top_k` copies of a token) reduce in token order
 instead, so gradients are deterministic.
 """
 
+import itertools
 import math
 import numbers
 from typing import Literal
@@ -55,51 +57,50 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
         reason = f"torch {torch.__version__} has no torch._grouped_mm"
     else:
         try:
-            generator = torch.Generator().manual_seed(0)
-            rows, inner, outer, sizes = 6, 16, 16, (2, 0, 4)  # one empty group
-            x = torch.randn(rows, inner, generator=generator).to(device, dtype).requires_grad_()
-            w = torch.randn(len(sizes), outer, inner, generator=generator).to(device, dtype)
-            w.requires_grad_()
-            grad = torch.randn(rows, outer, generator=generator).to(device, dtype)
-            offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-            with torch.enable_grad():
-                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-                y.backward(grad)
-            starts = (0, *torch.tensor(sizes).cumsum(0).tolist())
-            x32, w32, g32 = x.detach().float(), w.detach().float(), grad.float()
-            expected_y = torch.cat(
-                [x32[a:b] @ w32[e].T for e, (a, b) in enumerate(zip(starts, starts[1:]))]
-            )
-            expected_dw = torch.stack(
-                [g32[a:b].T @ x32[a:b] for a, b in zip(starts, starts[1:])]
-            )
-            expected_dx = torch.cat(
-                [g32[a:b] @ w32[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))]
-            )
-            tolerance = 0.1 if dtype in (torch.bfloat16, torch.float16) else 1e-4
-            for name, got, expected in (
-                ("forward", y, expected_y),
-                ("input gradient", x.grad, expected_dx),
-                ("weight gradient", w.grad, expected_dw),
-            ):
-                error = (got.float() - expected).abs().max().item()
-                if not error <= tolerance * max(1.0, expected.abs().max().item()):
-                    reason = f"torch._grouped_mm's {name} differs from per-group matmuls by {error}"
-                    break
-            if reason is None and w.grad[1].count_nonzero().item() != 0:
-                reason = "torch._grouped_mm gives an expert without tokens a nonzero weight gradient"
+            reason = _run_grouped_mm_probe(device, dtype)
         except RuntimeError as error:  # unsupported device, dtype or build
             reason = f"torch._grouped_mm fails on {device.type} {dtype}: {error}".split("\n")[0]
     _GROUPED_MM_PROBES[key] = reason
     return reason
 
 
+def _run_grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    with torch.inference_mode(False), torch.enable_grad():  # a first forward may run under either
+        generator = torch.Generator().manual_seed(0)
+        rows, inner, outer, sizes = 6, 16, 16, (2, 0, 4)  # one empty group
+        x = torch.randn(rows, inner, generator=generator).to(device, dtype).requires_grad_()
+        w = torch.randn(len(sizes), outer, inner, generator=generator).to(device, dtype)
+        w.requires_grad_()
+        grad = torch.randn(rows, outer, generator=generator).to(device, dtype)
+        offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        y.backward(grad)
+    bounds = list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
+    x32, w32, g32 = x.detach().float(), w.detach().float(), grad.float()
+    expected = {
+        "forward": (y, torch.cat([x32[a:b] @ w32[e].T for e, (a, b) in enumerate(bounds)])),
+        "input gradient": (
+            x.grad,
+            torch.cat([g32[a:b] @ w32[e] for e, (a, b) in enumerate(bounds)]),
+        ),
+        "weight gradient": (w.grad, torch.stack([g32[a:b].T @ x32[a:b] for a, b in bounds])),
+    }
+    tolerance = 0.1 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+    for name, (got, want) in expected.items():
+        error = (got.float() - want).abs().max().item()
+        if not error <= tolerance * max(1.0, want.abs().max().item()):
+            return f"torch._grouped_mm's {name} differs from per-group matmuls by {error}"
+    if w.grad[1].count_nonzero().item() != 0:
+        return "torch._grouped_mm gives an expert without tokens a nonzero weight gradient"
+    return None
+
+
 class _GatherRows(torch.autograd.Function):
     """`x.index_select(0, index)` whose backward gathers instead of scattering.
 
-    `index` holds each row of `x` exactly `copies` times and `inverse` lists, for row `r` and copy `j`,
-    the output row `r * copies + j` came from: the gradient is `grad[inverse].view(rows, copies, -1)
-    .sum(1)`, a reduction in a fixed order (no atomics, deterministic). `copies == 1` is a permutation.
+    `index` holds each row of `x` exactly `copies` times; `inverse[r * copies + j]` is the output row
+    holding copy `j` of row `r`. The gradient is `grad[inverse].view(rows, copies, -1).sum(1)`, a
+    reduction in a fixed order (no atomics: deterministic). `copies == 1` is a permutation.
     """
 
     @staticmethod
@@ -129,7 +130,9 @@ def _check_limit(owner: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a float; got {value!r}")
     if math.isnan(value):
-        raise ValueError(f"{owner}: {name} must not be NaN (<= 0 disables the clamp); got {value!r}")
+        raise ValueError(
+            f"{owner}: {name} must not be NaN (<= 0 disables the clamp); got {value!r}"
+        )
     return float(value)
 
 
@@ -338,7 +341,7 @@ class Step5MoE(nn.Module):
             hidden_size, shared_intermediate_size, shared_swiglu_limit, dtype, device
         )
         self.last_expert_counts: torch.Tensor | None = None
-        self._expert_paths: dict[tuple[str, int | None, torch.dtype], str] = {}
+        self._expert_paths: dict[tuple[str, str, int | None, torch.dtype], str] = {}
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` must not round the router or its bias: where `fn` would give them a
@@ -355,12 +358,15 @@ class Step5MoE(nn.Module):
         return super()._apply(keep_router_precision, recurse=False)
 
     def expert_path(self, device: torch.device, dtype: torch.dtype) -> str:
-        """"grouped_mm" or "loop": how the experts run on `device`/`dtype`, decided once and cached.
+        """How the experts run on `device`/`dtype` ("grouped_mm" or "loop"), decided once and cached.
+
+        The first call on a device may run the `torch._grouped_mm` probe (a few tiny matmuls and host
+        reads): make it eagerly, e.g. with one forward, before capturing CUDA graphs.
 
         Raises:
             RuntimeError: expert_backend="grouped_mm" where `torch._grouped_mm` does not run (the reason).
         """
-        key = (device.type, device.index, dtype)
+        key = (self.expert_backend, device.type, device.index, dtype)
         path = self._expert_paths.get(key)
         if path is None:
             if self.expert_backend == "loop":
@@ -368,7 +374,9 @@ class Step5MoE(nn.Module):
             elif self.expert_backend == "grouped_mm":
                 refusal = self.experts.grouped_mm_refusal(device, dtype)
                 if refusal is not None:
-                    raise RuntimeError(f"Step5MoE: expert_backend='grouped_mm' cannot run: {refusal}")
+                    raise RuntimeError(
+                        f"Step5MoE: expert_backend='grouped_mm' cannot run: {refusal}"
+                    )
                 path = "grouped_mm"
             else:
                 fast_device = (
@@ -411,7 +419,9 @@ class Step5MoE(nn.Module):
             )
         expert_dtype = self.experts.gate_proj.dtype
         if x.dtype != expert_dtype:
-            raise TypeError(f"Step5MoE: x must have the experts' dtype ({expert_dtype}); got {x.dtype}")
+            raise TypeError(
+                f"Step5MoE: x must have the experts' dtype ({expert_dtype}); got {x.dtype}"
+            )
         flat = x.reshape(-1, self.hidden_size)
         tokens, top_k = flat.shape[0], self.top_k
         shared = self.shared_expert(flat)
@@ -465,12 +475,16 @@ class Step5MoE(nn.Module):
             or not math.isfinite(rate)
             or rate < 0
         ):
-            raise ValueError(f"Step5MoE.update_expert_bias: rate must be a finite float >= 0; got {rate!r}")
+            raise ValueError(
+                f"Step5MoE.update_expert_bias: rate must be a finite float >= 0; got {rate!r}"
+            )
         pending = counts is None
         if pending:
             counts = self.pending_expert_counts
         elif not isinstance(counts, torch.Tensor) or counts.shape != (self.num_experts,):
-            shape = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+            shape = (
+                tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+            )
             raise ValueError(
                 f"Step5MoE.update_expert_bias: counts must be [num_experts={self.num_experts}]; got {shape}"
             )
