@@ -1,5 +1,10 @@
 """sa_routing: see the package README."""
 
+from sa_routing.distillation import (
+    IndexerTraining,
+    csa_indexer_distillation_loss,
+    qsa_indexer_distillation_loss,
+)
 from sa_routing.qsa import (
     QSAContextParallel,
     QSAIndexer,
@@ -29,6 +34,7 @@ from sa_routing.step5 import (
 __all__: list[str] = [
     # Step-5 CSA (sa_routing.step5)
     "CausalDocumentLayout",
+    "IndexerTraining",
     "QSAContextParallel",
     "QSAIndexer",
     "QSAIndexerConfig",
@@ -42,7 +48,9 @@ __all__: list[str] = [
     "Step5SparseConfig",
     "Step5SparseIndexer",
     "apply_qsa_rope",
+    "csa_indexer_distillation_loss",
     "gather_region_payload",
+    "qsa_indexer_distillation_loss",
     "region_metadata",
     "region_summaries",
     "right_padded_sequence_lengths",

@@ -5,6 +5,9 @@ own positions) and one key row per token; keys are averaged over groups of `c` t
 restart at every packed document), cast back, RMSNorm'd and rotated at the group's first position.
 Queries are projected chunk by chunk inside the selection, so no `[S, H_idx, D_idx]` tensor and no
 `[S, blocks]` score tensor exists at once. No cache, no state: a forward hook sees the exact routes.
+
+`training_queries` / `training_keys` are the differentiable FP32 form of the same projections, for
+the attention-distillation loss (`sa_routing.distillation`) that trains an unfrozen indexer.
 """
 
 from __future__ import annotations
@@ -143,6 +146,106 @@ class QSAIndexer(nn.Module):
             "QSAIndexer.compressed_keys", cu_seqlens, hidden_states.shape[1]
         )
         return self._compress_packed(self._key_rows(hidden_states), freqs_cis, bounds)
+
+    # -- training path: differentiable FP32 projections for the distillation loss ------------------
+
+    def training_queries(
+        self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor, *, detach_hidden: bool = True
+    ) -> torch.Tensor:
+        """Differentiable index queries of every local token, FP32 throughout.
+
+        The routing path's formula (fused projection, RMSNorm, RoPE at the token's position) computed
+        with the weights widened to FP32 and no rounding to the activation dtype; autocast is off
+        inside. Gradients reach `qk_proj` and `q_norm` when they require grad (the module is frozen:
+        the caller unfreezes it with `requires_grad_(True)`). Feed the result to
+        `sa_routing.qsa_indexer_distillation_loss`.
+
+        Args:
+            hidden_states: [batch, local_sequence, hidden_size], the indexer's dtype.
+            freqs_cis: [batch or 1, local_sequence, r], as `forward`.
+            detach_hidden: cut the graph at `hidden_states`, so that the distillation loss trains the
+                indexer only and never the layers below (DeepSeek-V3.2 detaches the indexer input).
+        Returns:
+            float32 [batch, local_sequence, indexer_n_heads, indexer_head_dim].
+        Raises:
+            ValueError, TypeError: as `forward`.
+        """
+        hidden_states, freqs_cis = self._check_inputs(hidden_states, freqs_cis)
+        hidden = hidden_states.detach() if detach_hidden else hidden_states
+        heads, dim = self.config.indexer_n_heads, self.config.indexer_head_dim
+        with torch.autocast(hidden.device.type, enabled=False):
+            queries = F.linear(hidden.float(), self.qk_proj.weight[: heads * dim].float())
+            return apply_qsa_rope(
+                self.q_norm(queries.unflatten(-1, (heads, dim))), freqs_cis.float()
+            )
+
+    def training_keys(
+        self,
+        hidden_states: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        cp_context: QSAContextParallel | None = None,
+        cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
+        *,
+        detach_hidden: bool = True,
+    ) -> torch.Tensor:
+        """Differentiable compressed keys of the whole (global) sequence, FP32 throughout.
+
+        The routing path's blocks (means of `c` key rows, restarting at every packed document, a
+        partial trailing group dropped; RMSNorm; RoPE at the block's first position) without the cast
+        of the means back to the activation dtype. Under context parallelism the keys (padded rows)
+        or the raw key rows (packed documents, whose blocks may straddle shards) are all-gathered
+        with `sa_cp.gather_sequence`, whose backward reduce-scatters, so every rank's `qk_proj` and
+        `k_norm` receive the gradient of every rank's loss on their keys.
+
+        Args:
+            hidden_states, freqs_cis, cp_context, cu_seqlens: as `forward` (no attention mask: blocks
+                past a row's length are never candidates of the loss).
+            detach_hidden: as `training_queries`.
+        Returns:
+            float32 [batch, global_sequence // c, 1, indexer_head_dim], or packed
+            [1, Σ len_d // c, 1, indexer_head_dim].
+        Raises:
+            ValueError, TypeError: as `forward`.
+        """
+        hidden_states, freqs_cis = self._check_inputs(hidden_states, freqs_cis)
+        batch, rows = hidden_states.shape[:2]
+        bounds, _ = self._route_layout(batch, rows, None, cp_context, cu_seqlens)
+        hidden = hidden_states.detach() if detach_hidden else hidden_states
+        heads, dim = self.config.indexer_n_heads, self.config.indexer_head_dim
+        freqs = freqs_cis.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            key_rows = F.linear(hidden.float(), self.qk_proj.weight[heads * dim :].float())
+            if bounds is None:
+                keys = self._compress(key_rows, freqs)
+                return keys if cp_context is None else _gather_with_grad(keys, cp_context.group)
+            if cp_context is not None:
+                key_rows = _gather_with_grad(key_rows, cp_context.group)
+                freqs = _gather(freqs.contiguous(), cp_context.group)
+            return self._compress_packed(key_rows, freqs, bounds)
+
+    def training_scores(
+        self,
+        hidden_states: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        cp_context: QSAContextParallel | None = None,
+        cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
+        *,
+        detach_hidden: bool = True,
+    ) -> torch.Tensor:
+        """Differentiable FP32 logits `Σ_h relu(q_h · k_b) / sqrt(D_idx)` of every local query against
+        every (global) block, unmasked: for inspection and small inputs. The loss scores blocks tile
+        by tile from `training_queries` and `training_keys` instead, so no [sequence, blocks] tensor
+        exists there.
+
+        Returns:
+            float32 [batch, local_sequence, blocks] (blocks as `training_keys`; packed: batch 1).
+        """
+        queries = self.training_queries(hidden_states, freqs_cis, detach_hidden=detach_hidden)
+        keys = self.training_keys(
+            hidden_states, freqs_cis, cp_context, cu_seqlens, detach_hidden=detach_hidden
+        )
+        dots = torch.einsum("bshd,bpd->bshp", queries, keys[:, :, 0])
+        return torch.relu(dots).sum(dim=2) / self.config.indexer_head_dim**0.5
 
     def _check_inputs(
         self, hidden_states: torch.Tensor, freqs_cis: torch.Tensor
@@ -309,6 +412,12 @@ def _gather(x: torch.Tensor, group: object | None) -> torch.Tensor:
     from sa_cp import gather_no_grad
 
     return gather_no_grad(x, group=group, dim=1)
+
+
+def _gather_with_grad(x: torch.Tensor, group: object | None) -> torch.Tensor:
+    from sa_cp import gather_sequence
+
+    return gather_sequence(x, group=group, dim=1)
 
 
 Qwen3_8_FlashNextQSAIndexer = QSAIndexer
