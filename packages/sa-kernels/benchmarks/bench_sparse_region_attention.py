@@ -1,0 +1,290 @@
+"""sparse_region_attention fwd and fwd+bwd on the GPU at the Step-5 CSA geometry, against dense
+causal SDPA, all in one run.
+
+Geometry: 64 query heads / 4 KV groups / head_dim 192 (SEMANTICS §1.1), region_size 8, topk 512
+historical regions plus the current one per (group, query) (§1.2), BF16. Two selection structures
+(`synthetic_regions.csa_selection`, one selection per KV group):
+
+    csa         one document over the whole sequence: rows past 512 regions select 512 random
+                earlier regions plus their own (scattered), earlier rows every region up to theirs
+    short-docs  documents of topk · region_size = 4096 tokens: every row dense-equivalent (all
+                regions of its document up to its own: causal blocks along the diagonal)
+
+Rows per length:
+
+    dense-causal-sdpa   F.scaled_dot_product_attention(is_causal=True) over the whole sequence,
+                        K/V expanded to the 64 heads (flash/cuDNN kernels)
+    <kind>-gather       the Triton gather kernels
+    <kind>-flex         compiled flex_attention over the region BlockMask (bitmap mask_mod)
+    <kind>-auto         backend="auto" (the chosen backend is printed)
+
+TFLOP/s count the visible (query head, key) pairs: 4·D flops each forward, 14·D forward+backward
+(dense causal SDPA: S(S+1)/2 pairs per head). `vs_dense` = dense ms / ms (> 1: faster than
+dense). Each row's extra fields give the selection's occupancy (selected pairs / area of the
+128×128 tiles they touch), its mean visible keys per (group, query) and the mask build time.
+`--sweep-gather` times the gather kernels' launch candidates (`SWEEP_FORWARD_CONFIGS`,
+`SWEEP_BACKWARD_CONFIGS`) on the csa selection, forward and backward apart, each checked against
+the default launch first.
+
+    python packages/sa-kernels/benchmarks/bench_sparse_region_attention.py [--quick]
+        [--lengths N ...] [--kinds csa|short-docs ...] [--backends gather|flex|auto ...]
+        [--sweep-gather [fwd|bwd|both]] [--json PATH]
+"""
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from sa_kernels.sparse_region_attention import (
+    auto_backend,
+    build_region_block_mask,
+    sparse_region_attention,
+)
+from sa_kernels.sparse_region_attention.reference import region_key_rows
+from sa_kernels.sparse_region_attention.synthetic_regions import csa_selection, region_layout
+from sa_kernels.sparse_region_attention.triton_kernels import (
+    SWEEP_BACKWARD_CONFIGS,
+    SWEEP_FORWARD_CONFIGS,
+    default_config,
+    region_attention_backward,
+    region_attention_forward,
+)
+
+KINDS = ("csa", "short-docs")
+HEADS, GROUPS, HEAD_DIM, REGION_SIZE, TOPK = 64, 4, 192, 8, 512
+BACKENDS = ("gather", "flex", "auto")
+
+
+def _bench(fn, inputs, grad):
+    """(fwd ms, fwd+bwd ms), medians of short do_bench runs."""
+
+    def fwd_bwd():
+        fn(*inputs).backward(grad)
+
+    fwd = do_bench(lambda: fn(*inputs), warmup=5, rep=20)
+    both = do_bench(fwd_bwd, warmup=5, rep=40, grad_to_none=list(inputs))
+    return fwd, both
+
+
+class Table:
+    """Rows printed as they come and rewritten to the JSON path after each (a timeout keeps them)."""
+
+    def __init__(self, json_path=None):
+        self.json_path = json_path
+        self.rows = []
+        self.dense = None  # (fwd ms, fwd+bwd ms)
+
+    def add(self, name, shape, fwd_ms, ms, pairs, head_dim, extra=None):
+        fwd_tf = 4 * pairs * head_dim / fwd_ms / 1e9
+        tf = 14 * pairs * head_dim / ms / 1e9
+        row = {
+            "name": name,
+            "shape": shape,
+            "fwd_ms": round(fwd_ms, 3),
+            "ms": round(ms, 3),
+            "fwd_tflops": round(fwd_tf, 1),
+            "tflops": round(tf, 1),
+        }
+        if self.dense:
+            row["fwd_vs_dense"] = round(self.dense[0] / fwd_ms, 3)
+            row["vs_dense"] = round(self.dense[1] / ms, 3)
+        row.update(extra or {})
+        self.rows.append(row)
+        self.dump()
+        ratios = "".join(
+            f" | {key} {row[key]:.2f}" for key in ("fwd_vs_dense", "vs_dense") if key in row
+        )
+        print(
+            f"{name:<20} {shape:<24} fwd {fwd_ms:>8.3f} ms {fwd_tf:>6.1f} TF/s"
+            f" | fwd+bwd {ms:>8.3f} ms {tf:>6.1f} TF/s{ratios}" + (f" | {extra}" if extra else ""),
+            flush=True,
+        )
+        return row
+
+    def dump(self):
+        if self.json_path:
+            with open(self.json_path, "w") as fh:
+                json.dump(self.rows, fh, indent=1)
+
+
+def _try(label, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as err:  # keep measuring the other rows; the failure is reported
+        print(f"{label}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
+        return None
+
+
+def _selection(kind, length, gen):
+    """(region_ids [1, G, S, topk + 1], region_sources [1, N, R]) on CUDA."""
+    if kind == "csa":
+        documents = [[length]]
+    else:
+        doc = TOPK * REGION_SIZE
+        documents = [[doc] * (length // doc) + ([length % doc] if length % doc else [])]
+    sources, owners, firsts = region_layout(documents, length, REGION_SIZE, device="cuda")
+    ids = csa_selection(owners, firsts, sources.shape[1], groups=GROUPS, topk=TOPK, generator=gen)
+    return ids, sources
+
+
+def _visible_pairs(ids, sources, length):
+    """Visible (group, query, key) pairs, counted in chunks of queries."""
+    total = 0
+    for start in range(0, ids.shape[2], 1024):
+        stop = min(start + 1024, ids.shape[2])
+        rows = torch.arange(start, stop, device=ids.device)
+        total += int(region_key_rows(ids[:, :, start:stop], sources, length, rows)[1].sum())
+    return total
+
+
+def _attend(q, k, v, *, ids, sources, backend, block_mask):
+    return sparse_region_attention(q, k, v, ids, sources, backend=backend, block_mask=block_mask)
+
+
+def run_length(table, length, gen, kinds, backends, sweep_gather):
+    shape = f"S{length}-H{HEADS}/{GROUPS}-D{HEAD_DIM}-R{REGION_SIZE}-k{TOPK}"
+    make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = make(1, length, HEADS, HEAD_DIM)
+    k, v = make(1, length, GROUPS, HEAD_DIM), make(1, length, GROUPS, HEAD_DIM)
+    grad = make(1, length, HEADS, HEAD_DIM)
+    table.dense = None
+    # Dense causal SDPA baseline: K/V expanded to the query heads.
+    qd = q.transpose(1, 2).contiguous().requires_grad_()
+    kd = k.repeat_interleave(HEADS // GROUPS, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    vd = v.repeat_interleave(HEADS // GROUPS, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
+    result = _try(f"dense-causal-sdpa {shape}", _bench, sdpa, (qd, kd, vd), grad.transpose(1, 2))
+    if result is not None:
+        table.add("dense-causal-sdpa", shape, *result, HEADS * length * (length + 1) // 2, HEAD_DIM)
+        table.dense = result
+    del qd, kd, vd
+    torch.cuda.empty_cache()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for kind in kinds:
+        ids, sources = _selection(kind, length, gen)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        mask = build_region_block_mask(ids, sources, length, HEADS, build_flex=True)
+        torch.cuda.synchronize()
+        pairs = _visible_pairs(ids, sources, length)
+        info = {
+            "occupancy": round(mask.occupancy, 3),
+            "mean_keys": round(pairs / (GROUPS * length), 1),
+            "mask_build_ms": round((time.perf_counter() - start) * 1e3, 1),
+        }
+        for backend in backends:
+            fn = functools.partial(
+                _attend, ids=ids, sources=sources, backend=backend, block_mask=mask
+            )
+            result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)
+            if result is None:
+                continue
+            extra = dict(info)
+            if backend == "auto":
+                extra["chose"] = auto_backend(mask, q.device, dtype=q.dtype, head_dim=HEAD_DIM)
+            table.add(
+                f"{kind}-{backend}", shape, *result, pairs * (HEADS // GROUPS), HEAD_DIM, extra
+            )
+        if sweep_gather and kind == "csa":
+            _sweep_gather(table, shape, mask, sources, (q, k, v), grad, pairs, sweep_gather)
+        del ids, sources, mask
+        torch.cuda.empty_cache()
+
+
+def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"):
+    """Forward and backward launch candidates of the gather kernels, apart (ms of each kernel alone)."""
+    q, k, v = (t.detach() for t in inputs)
+    scale = HEAD_DIM**-0.5
+    routes, counts = mask.routes, mask.counts
+    out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
+    grads = region_attention_backward(q, k, v, out, grad, lse, routes, counts, sources, 0, scale)
+    head_pairs = pairs * (HEADS // GROUPS)
+    for backward, configs in ((False, SWEEP_FORWARD_CONFIGS), (True, SWEEP_BACKWARD_CONFIGS)):
+        if which != "both" and which != ("bwd" if backward else "fwd"):
+            continue
+        default = default_config(HEAD_DIM, backward)
+        best = None
+        for config in [default, *configs]:
+            if backward:
+                run = lambda c=config: region_attention_backward(
+                    q, k, v, out, grad, lse, routes, counts, sources, 0, scale, _config=c
+                )
+                want = grads
+            else:
+                run = lambda c=config: region_attention_forward(
+                    q, k, v, routes, counts, sources, 0, scale, _config=c
+                )
+                want = (out, lse)
+            got = _try(f"sweep-gather {config}", run)
+            if got is None:
+                continue
+            mismatch = [
+                float((a.float() - b.float()).abs().max())
+                for a, b in zip(got, want, strict=True)
+                if not torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+            ]
+            if mismatch:  # reported, not timed; the run goes on
+                print(f"sweep-gather {config}: MISMATCH vs the default, max abs diff {mismatch}")
+                continue
+            result = _try(f"sweep-gather {config}", do_bench, run, 5, 40)
+            if result is None:
+                continue
+            name = "sweep-gather-" + ("bwd" if backward else "fwd")
+            flops = (10 if backward else 4) * head_pairs * HEAD_DIM
+            row = {"name": name, "shape": shape, "config": config, "ms": round(result, 3)}
+            row["tflops"] = round(flops / result / 1e9, 1)
+            row["default"] = config is default
+            table.rows.append(row)
+            table.dump()
+            print(
+                f"{name:<20} {shape:<24} {result:8.3f} ms {row['tflops']:6.1f} TF/s {config}"
+                + (" (default)" if row["default"] else ""),
+                flush=True,
+            )
+            if best is None or result < best[1]:
+                best = (config, result)
+        if best is not None:
+            print(f"sweep-gather best {'bwd' if backward else 'fwd'}: {best[0]} ({best[1]:.3f} ms)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8192 keys only")
+    parser.add_argument(
+        "--lengths", nargs="+", type=int, help="key counts (default 32768 65536; overrides --quick)"
+    )
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument(
+        "--sweep-gather",
+        nargs="?",
+        const="both",
+        choices=("fwd", "bwd", "both"),
+        help="gather kernels' launch candidates (forward, backward or both)",
+    )
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_sparse_region_attention: needs a CUDA device")
+    import triton
+
+    print(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
+        flush=True,
+    )
+    lengths = args.lengths or ([8192] if args.quick else [32768, 65536])
+    table = Table(args.json)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for length in lengths:
+        run_length(table, length, gen, args.kinds, args.backends, args.sweep_gather)
+    return table.rows
+
+
+if __name__ == "__main__":
+    main()
