@@ -430,6 +430,32 @@ def test_invalid_inputs_raise_naming_the_argument(args, kwargs, error, match):
         sparse_region_attention(*args, **kwargs)
 
 
+def test_build_region_block_mask_errors():
+    ids = torch.zeros(1, 2, 4, 3, dtype=torch.int32)
+    src = torch.zeros(1, 3, 4, dtype=torch.int32)
+    build = build_region_block_mask
+    with pytest.raises(TypeError, match="build_region_block_mask: region_ids must be an int32"):
+        build(ids.float(), src, 8, 2)
+    with pytest.raises(
+        TypeError, match=r"region_sources must be an int32 tensor; got torch\.int64"
+    ):
+        build(ids, src.long(), 8, 2)
+    with pytest.raises(ValueError, match=r"region_ids must be \[batch, groups, queries, slots\]"):
+        build(ids[0], src, 8, 2)
+    with pytest.raises(ValueError, match="region_sources must be"):
+        build(ids, src[:, :0], 8, 2)
+    with pytest.raises(ValueError, match=r"multiple of the groups \(2\); got 3"):
+        build(ids, src, 8, 3)
+    with pytest.raises(ValueError, match=r"kv_length must be in \[1, 2\*\*31 - 1\)"):
+        build(ids, src, 0, 2)
+    with pytest.raises(ValueError, match=r"query_start must be in \[0, kv_length - queries\]"):
+        build(ids, src, 8, 2, query_start=5)
+    with pytest.raises(TypeError, match=r"kv_length must be an int; got 8\.0"):
+        build(ids, src, 8.0, 2)
+    with pytest.raises(TypeError, match="build_flex must be None, True or False"):
+        build(ids, src, 8, 2, build_flex="no")
+
+
 def test_gather_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, k, v, _ = _inputs(1, 4, 2, 1, 8, 9, torch.float32)

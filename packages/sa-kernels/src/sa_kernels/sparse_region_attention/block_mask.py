@@ -16,6 +16,7 @@ queries · regions / 8 bytes per group; the products are O(query_tiles · region
 key_tiles) per batch row and group.
 """
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -198,8 +199,16 @@ def build_region_block_mask(
             tile statistics and builds the Flex mask when the occupancy reaches
             FLEX_MIN_OCCUPANCY.
     Returns:
-        RegionBlockMask. Inputs are assumed valid (`sparse_region_attention` checks them).
+        RegionBlockMask, reusable across calls for the same routes and geometry.
+    Raises:
+        TypeError: region_ids not an int32/int64 tensor, region_sources not an int32 tensor,
+            kv_length, query_heads or query_start not an int, build_flex not None/True/False.
+        ValueError: region_ids not [batch, groups, queries, slots >= 1], region_sources not
+            [batch, regions >= 1, region_size >= 1], tensors on two devices, kv_length outside
+            [1, 2**31 - 1), query_heads not a positive multiple of groups, query_start outside
+            [0, kv_length - queries].
     """
+    _check_mask_inputs(region_ids, region_sources, kv_length, query_heads, query_start, build_flex)
     regions = region_sources.shape[1]
     routes, counts = canonical_routes(region_ids, regions)
     geometry = (regions, kv_length, query_heads, query_start)
@@ -236,3 +245,56 @@ def build_region_block_mask(
         seq_lengths=(routes.shape[2], kv_length),
     )
     return RegionBlockMask(routes, counts, *geometry, flex=flex, statistics=statistics)
+
+
+def _check_mask_inputs(region_ids, region_sources, kv_length, query_heads, query_start, build_flex):
+    fn = "build_region_block_mask"
+    for name, t, dtypes in (
+        ("region_ids", region_ids, (torch.int32, torch.int64)),
+        ("region_sources", region_sources, (torch.int32,)),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{fn}: {name} must be an {names} tensor; got {got}")
+    for name, value in (
+        ("kv_length", kv_length),
+        ("query_heads", query_heads),
+        ("query_start", query_start),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
+    if build_flex not in (None, True, False):
+        raise TypeError(f"{fn}: build_flex must be None, True or False; got {build_flex!r}")
+    if region_ids.dim() != 4 or min(region_ids.shape) < 1:
+        raise ValueError(
+            f"{fn}: region_ids must be [batch, groups, queries, slots], no dim empty; got "
+            f"{tuple(region_ids.shape)}"
+        )
+    batch, groups, queries, _ = region_ids.shape
+    if (
+        region_sources.dim() != 3
+        or region_sources.shape[0] != batch
+        or min(region_sources.shape) < 1
+    ):
+        raise ValueError(
+            f"{fn}: region_sources must be [batch={batch}, regions >= 1, region_size >= 1]; got "
+            f"{tuple(region_sources.shape)}"
+        )
+    if region_ids.device != region_sources.device:
+        raise ValueError(
+            f"{fn}: region_ids and region_sources must be on one device; got "
+            f"{region_ids.device} and {region_sources.device}"
+        )
+    if not 1 <= kv_length < 2**31 - 1:
+        raise ValueError(f"{fn}: kv_length must be in [1, 2**31 - 1); got {kv_length}")
+    if query_heads < 1 or query_heads % groups:
+        raise ValueError(
+            f"{fn}: query_heads must be a positive multiple of the groups ({groups}); got "
+            f"{query_heads}"
+        )
+    if not 0 <= query_start <= kv_length - queries:
+        raise ValueError(
+            f"{fn}: query_start must be in [0, kv_length - queries] = [0, {kv_length - queries}]; "
+            f"got {query_start}"
+        )

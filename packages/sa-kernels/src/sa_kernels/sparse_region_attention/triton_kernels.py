@@ -1,5 +1,7 @@
 """Gather kernels over selected regions: each program is one (batch, query, KV group) and the group's
-query heads, which share the query's region list.
+query heads, which share the query's region list (the heads are the rows of every dot: 16 at the
+CSA geometry). Programs do not stack several queries: neighbouring queries select different
+regions, so a query block would share no K/V loads and only pad the dots with masked rows.
 
 Routes come canonical (`sparse_gqa.routes.canonical_routes` with the region count as sentinel): per
 row its `count` distinct valid region ids ascending, then the sentinel. A step of the loop takes
