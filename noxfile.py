@@ -3,10 +3,12 @@
 # ///
 """Test, lint and benchmark sessions. Every session syncs its environment from uv.lock.
 
-uvx nox              # lint, one test session per package, integration
-uvx nox -s bench     # CPU benchmarks (GPU ones run through tools/gpu_tests.py)
+uvx nox                    # lint, one test session per package, integration
+uvx nox -s "tests(sa-cp)"  # one package
+uvx nox -s bench           # CPU benchmarks (GPU ones run through tools/gpu_tests.py)
 """
 
+import os
 from pathlib import Path
 
 import nox
@@ -18,8 +20,14 @@ nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).parent
 PACKAGES = ["sa-cp", "sa-kernels", "sa-routing", "sa-mla", "sa-layers"]
+# pytest-xdist workers per test session: CI has two cores; each worker's torch gets one thread.
+WORKERS = min(2, os.cpu_count() or 1)
 # CPU sessions run the Triton kernels through Triton's interpreter.
-CPU_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
+CPU_ENV = {
+    "TRITON_INTERPRET": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+    "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // WORKERS)),
+}
 
 
 def sync(session: nox.Session, *args: str) -> None:
@@ -35,12 +43,14 @@ def sync(session: nox.Session, *args: str) -> None:
 
 
 def pytest(session: nox.Session, *paths: str) -> None:
+    """pytest on `paths` with WORKERS xdist workers (`-- -n 0` after the session runs one process)."""
     session.run(
         "pytest",
         "-c",
         str(ROOT / "pyproject.toml"),
         "--rootdir",
         str(ROOT),
+        *(["-n", str(WORKERS)] if WORKERS > 1 else []),
         *paths,
         *session.posargs,
         env=CPU_ENV,
@@ -65,7 +75,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Tests that cross packages, with every package installed."""
+    """Tests that cross packages, with every package installed (and the docs against the records)."""
     sync(session, "--all-packages")
     pytest(session, "integration_tests")
 
