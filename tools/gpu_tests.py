@@ -3,12 +3,18 @@
 No uv, no network: the packages are used from source (`packages/*/src` goes on the path).
 
     python tools/gpu_tests.py                         # all gpu tests
+    python tools/gpu_tests.py --no-tests --bench all  # every benchmark: rewrites docs/results/*.json
     python tools/gpu_tests.py --bench rms_norm --bench sparse_gqa --quick
-    python tools/gpu_tests.py --no-tests --bench all  # every benchmark
     python tools/gpu_tests.py --cpu-bench             # CPU-only benchmarks (the `bench` nox session)
+    python tools/gpu_tests.py --bench all --dry-run   # the commands, without running them
 
+A benchmark is `packages/<pkg>/benchmarks/bench_<name>.py`, run as a script with `--json PATH` and the
+arguments in `bench_adapters.RECORD_ARGS` (`--quick` instead: the script's quick shapes). Its rows
+become the record files `docs/results/<area>.json` (`bench_adapters.records`: one per area, in the
+schema of `bench_records`), from which `python tools/render_benchmarks.py` writes docs/benchmarks.md.
+Quick runs, `--cpu-bench` and runs without a GPU write their record files under .bench-out/results/
+instead: they are not the record.
 Prints a short table last and writes everything as JSON (`--json`, default .bench-out/gpu_tests.json).
-A benchmark is `packages/<pkg>/benchmarks/bench_<name>.py`, run as a script with `--json PATH`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -24,8 +30,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_adapters import RECORD_ARGS, records  # noqa: E402
+from bench_records import environment, write_records  # noqa: E402
+
 SOURCES = sorted(str(p) for p in (ROOT / "packages").glob("*/src"))
 CPU_BENCHMARKS = ["replay"]
+RESULTS = ROOT / "docs" / "results"
+QUICK_RESULTS = ROOT / ".bench-out" / "results"
 
 
 def benchmark_scripts() -> dict[str, Path]:
@@ -52,66 +65,53 @@ class _Outcomes:
             )
 
 
+def test_paths() -> list[str]:
+    return [str(p) for p in sorted((ROOT / "packages").glob("*/tests"))] + [
+        str(ROOT / "integration_tests")
+    ]
+
+
+def pytest_args(extra: list[str]) -> list[str]:
+    config = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]
+    return [*config, "-m", "gpu", "-q", *test_paths(), *extra]
+
+
 def run_tests(extra: list[str]) -> tuple[int, list[dict]]:
     import pytest
 
     plugin = _Outcomes()
-    paths = [str(p) for p in sorted((ROOT / "packages").glob("*/tests"))] + [
-        str(ROOT / "integration_tests")
-    ]
-    args = [
-        "-c",
-        str(ROOT / "pyproject.toml"),
-        "--rootdir",
-        str(ROOT),
-        "-m",
-        "gpu",
-        "-q",
-        *paths,
-        *extra,
-    ]
-    code = pytest.main(args, plugins=[plugin])
+    code = pytest.main(pytest_args(extra), plugins=[plugin])
     return int(code), plugin.records
 
 
+def script_args(name: str, quick: bool) -> list[str]:
+    """The benchmark's arguments: its quick shapes, or those that regenerate its record files."""
+    return ["--quick"] if quick else list(RECORD_ARGS.get(name, ()))
+
+
 def run_benchmark(name: str, script: Path, quick: bool) -> dict:
+    args = script_args(name, quick)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
-        command = [sys.executable, str(script), "--json", str(out), *(["--quick"] if quick else [])]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")]),
         }
         start = time.perf_counter()
-        done = subprocess.run(command, env=env, cwd=ROOT, check=False)
+        done = subprocess.run(
+            [sys.executable, str(script), "--json", str(out), *args],
+            env=env,
+            cwd=ROOT,
+            check=False,
+        )
         rows = json.loads(out.read_text()) if out.exists() else []
     return {
         "benchmark": name,
-        "command": " ".join(command[1:]),
+        "command": shlex.join(["python", str(script.relative_to(ROOT)), *args]),
         "returncode": done.returncode,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-
-
-def environment() -> dict:
-    import torch
-
-    info = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def main() -> int:
@@ -127,25 +127,55 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="pass --quick to the benchmarks")
     parser.add_argument("--json", default=str(ROOT / ".bench-out" / "gpu_tests.json"))
+    parser.add_argument(
+        "--results",
+        help="folder for the record files (default docs/results, .bench-out/results with --quick)",
+    )
+    parser.add_argument(
+        "--commit", help="the commit measured, for the record files (default: git's HEAD, if any)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would run, run nothing, write nothing"
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
-    sys.path[:0] = SOURCES
-    os.environ["PYTHONPATH"] = os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")])
     scripts = benchmark_scripts()
     wanted = CPU_BENCHMARKS if args.cpu_bench else args.bench
     names = list(scripts) if "all" in wanted else wanted
     unknown = [n for n in names if n not in scripts]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {sorted(scripts)}")
+    run_pytest = not (args.no_tests or args.cpu_bench)
+    not_the_record = args.quick or args.cpu_bench
+    results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
+    if args.dry_run:
+        if run_pytest:
+            print("pytest " + shlex.join(pytest_args(args.pytest_args)))
+        for name in names:
+            relative = scripts[name].relative_to(ROOT)
+            print(shlex.join(["python", str(relative), *script_args(name, args.quick)]))
+        print(f"record files: {results}")
+        return 0
+    sys.path[:0] = SOURCES
+    os.environ["PYTHONPATH"] = os.pathsep.join([*SOURCES, os.environ.get("PYTHONPATH", "")])
+    import torch
 
-    report: dict = {"environment": environment(), "tests": [], "benchmarks": []}
+    if results == RESULTS and names and not torch.cuda.is_available():
+        results = QUICK_RESULTS  # a run without a GPU is not the record
+        print(f"no CUDA device: record files go to {results}")
+
+    report: dict = {"environment": environment(ROOT, args.commit), "tests": [], "benchmarks": []}
     code = 0
-    if not (args.no_tests or args.cpu_bench):
+    if run_pytest:
         code, report["tests"] = run_tests(args.pytest_args)
     for name in names:
         result = run_benchmark(name, scripts[name], args.quick)
         report["benchmarks"].append(result)
         code = code or result["returncode"]
+        if result["returncode"] == 0:
+            areas = records(name, result["rows"])
+            written = write_records(results, name, result["command"], report["environment"], areas)
+            result["record_files"] = [str(p) for p in written]
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
@@ -160,7 +190,8 @@ def main() -> int:
                 print(f"  FAILED {record['test']}")
     for result in report["benchmarks"]:
         print(
-            f"bench {result['benchmark']:<24} rc={result['returncode']} rows={len(result['rows'])} {result['seconds']}s"
+            f"bench {result['benchmark']:<24} rc={result['returncode']} rows={len(result['rows'])}"
+            f" {result['seconds']}s -> {', '.join(result.get('record_files', [])) or 'no record'}"
         )
     print(f"json: {args.json}")
     return code
