@@ -1,13 +1,19 @@
 """The indexer distillation losses: blockwise against the float64 oracle (loss and gradients), the
 training projections against the routing path, gradient isolation, memory, CP recombination."""
 
+import itertools
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from sa_cp import ContextParallelLayout, gather_sequence, shard_sequence
+from sa_cp.testing import run_on_ranks
 from sa_routing import (
+    QSAContextParallel,
     Step5SparseConfig,
     Step5SparseIndexer,
     csa_indexer_distillation_loss,
@@ -632,3 +638,132 @@ def test_bad_arguments_raise_errors_that_name_the_argument() -> None:
         )
     with pytest.raises(ValueError, match="mode 'sparse' needs selection"):
         csa_indexer_distillation_loss(query, key, iq, iw, summaries, m, mode="sparse")
+
+
+# -- context parallelism on real ranks -----------------------------------------------------------------
+
+CP_LENGTH, CP_DOCUMENTS = 90, (0, 20, 22, 59, 85)  # documents straddle the shard boundary at 45
+
+
+def _qsa_cp_inputs(packed: bool):
+    g = _generator(13)
+    batch = 1 if packed else 2
+    hidden = torch.randn(batch, CP_LENGTH, 40, generator=g)
+    positions = (
+        qsa_document_positions(CP_DOCUMENTS, CP_LENGTH) if packed else torch.arange(CP_LENGTH)
+    )
+    freqs = rotary_table(positions, 8)[None]
+    query = torch.randn(batch, CP_LENGTH, 4, 8, generator=g)
+    key = torch.randn(batch, CP_LENGTH, 2, 8, generator=g)
+    lengths = None if packed else [CP_LENGTH, 61]
+    return hidden, freqs, query, key, lengths
+
+
+def _qsa_indexer_grads(rank: int, world_size: int, packed: bool) -> dict[str, torch.Tensor]:
+    """One rank of the documented recipe: local queries, keys gathered with gradient, the sum of the
+    shard's losses over the global count of sparse queries."""
+    indexer = small_indexer(torch.float32, seed=14).requires_grad_(True)
+    hidden, freqs, query, key, lengths = _qsa_cp_inputs(packed)
+    layout = ContextParallelLayout.create(CP_LENGTH, dist.group.WORLD, multiple_of=3)
+    mask = None if packed else torch.tensor([[1] * CP_LENGTH, [1] * 61 + [0] * 29])
+    ctx = QSAContextParallel.from_layout(
+        layout, attention_mask=mask, cu_seqlens=CP_DOCUMENTS if packed else None
+    )
+    local_hidden, local_freqs = shard_sequence(hidden, layout), shard_sequence(freqs, layout)
+    loss = qsa_indexer_distillation_loss(
+        shard_sequence(query, layout),
+        key,
+        indexer.training_queries(local_hidden, local_freqs),
+        indexer.training_keys(local_hidden, local_freqs, cp_context=ctx),
+        token_budget=indexer.config.indexer_budget,
+        compress_ratio=indexer.config.indexer_compress_ratio,
+        mode="dense_warmup",
+        sequence_lengths=ctx.sequence_lengths,
+        cu_seqlens=ctx.cu_seqlens,
+        query_start=ctx.local_start,
+        reduction="sum",
+    )
+    sizes = [b - a for a, b in itertools.pairwise(CP_DOCUMENTS)] if packed else lengths
+    count = sum(max(0, n - indexer.config.dense_positions) for n in sizes)
+    (loss / count).backward()
+    return {name: p.grad for name, p in indexer.named_parameters()}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded-B2", "packed-B1"])
+def test_qsa_indexer_gradients_summed_over_2_ranks_equal_one_process(packed) -> None:
+    ranks = run_on_ranks(2, _qsa_indexer_grads, packed)
+    indexer = small_indexer(torch.float32, seed=14).requires_grad_(True)
+    hidden, freqs, query, key, lengths = _qsa_cp_inputs(packed)
+    cu = CP_DOCUMENTS if packed else None
+    loss = qsa_indexer_distillation_loss(
+        query,
+        key,
+        indexer.training_queries(hidden, freqs),
+        indexer.training_keys(hidden, freqs, cu_seqlens=cu),
+        token_budget=indexer.config.indexer_budget,
+        compress_ratio=indexer.config.indexer_compress_ratio,
+        mode="dense_warmup",
+        sequence_lengths=lengths,
+        cu_seqlens=cu,
+    )
+    loss.backward()
+    assert loss.item() > 0
+    for name, p in indexer.named_parameters():
+        torch.testing.assert_close(ranks[0][name] + ranks[1][name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def _csa_cp_inputs():
+    pos, pad = _csa_layout()
+    g = _generator(15)
+    hidden = torch.randn(2, 64, 24, generator=g)
+    return (
+        pos,
+        pad,
+        hidden,
+        torch.randn(2, 64, 4, 8, generator=g),
+        torch.randn(2, 64, 2, 8, generator=g),
+    )
+
+
+def _csa_indexer_grads(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    indexer = _step5_indexer(torch.float32, seed=16).requires_grad_(True)
+    pos, pad, hidden, query, key = _csa_cp_inputs()
+    local = slice(rank * 32, (rank + 1) * 32)
+    m = region_metadata(pos, pad, rank * 32, 32, 3, 2)
+    keys, logits = indexer.training_keys(hidden[:, local], pos[:, local])
+    keys, logits = (
+        gather_sequence(keys, dist.group.WORLD),
+        gather_sequence(logits, dist.group.WORLD),
+    )
+    index_queries, weights = indexer.training_queries(hidden[:, local], pos[:, local])
+    loss = csa_indexer_distillation_loss(
+        query[:, local],
+        key,
+        index_queries,
+        weights,
+        indexer.training_summaries(keys, logits, m),
+        m,
+        mode="dense_warmup",
+        reduction="sum",
+    )
+    count = m.sparse_queries.sum()
+    dist.all_reduce(count)
+    (loss / count).backward()
+    return {name: p.grad for name, p in indexer.named_parameters()}
+
+
+def test_csa_indexer_gradients_summed_over_2_ranks_equal_one_process() -> None:
+    ranks = run_on_ranks(2, _csa_indexer_grads)
+    indexer = _step5_indexer(torch.float32, seed=16).requires_grad_(True)
+    pos, pad, hidden, query, key = _csa_cp_inputs()
+    m = region_metadata(pos, pad, 0, 64, 3, 2)
+    keys, logits = indexer.training_keys(hidden, pos)
+    index_queries, weights = indexer.training_queries(hidden, pos)
+    summaries = indexer.training_summaries(keys, logits, m)
+    loss = csa_indexer_distillation_loss(
+        query, key, index_queries, weights, summaries, m, mode="dense_warmup"
+    )
+    loss.backward()
+    assert loss.item() > 0
+    for name, p in indexer.named_parameters():
+        torch.testing.assert_close(ranks[0][name] + ranks[1][name], p.grad, rtol=1e-4, atol=1e-6)
