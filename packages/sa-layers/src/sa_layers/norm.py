@@ -1,4 +1,4 @@
-"""The residual-stream norm of Step-5 decoder layers (SEMANTICS §1.1)."""
+"""Zero-centred RMSNorm: the residual and per-head norms of Step-5 and QSA layers (SEMANTICS §1.1, §2)."""
 
 import torch
 from torch import nn
@@ -6,12 +6,12 @@ from torch import nn
 from sa_kernels import rms_norm
 
 
-class Step5RMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(nn.Module):
     """Zero-centred RMSNorm: `x * rstd * (1 + w)` with FP32 statistics and an FP32 weight, rounded once.
 
     Args:
         hidden_size: channels of the normalised dim.
-        eps: added to the mean square (1e-5 in the reference checkpoint).
+        eps: added to the mean square.
         output_dtype: dtype of the output (the model's activation dtype, e.g. bf16); `None` keeps the
             input's dtype (the FP32 residual stream would then stay FP32).
     Shapes:
@@ -19,13 +19,14 @@ class Step5RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, eps: float = 1e-5, output_dtype: torch.dtype | None = None
+        self, hidden_size: int, eps: float = 1e-6, output_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
+        name = type(self).__name__
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
-            raise TypeError(f"Step5RMSNorm: hidden_size must be an int; got {hidden_size!r}")
+            raise TypeError(f"{name}: hidden_size must be an int; got {hidden_size!r}")
         if hidden_size < 1:
-            raise ValueError(f"Step5RMSNorm: hidden_size must be >= 1; got {hidden_size}")
+            raise ValueError(f"{name}: hidden_size must be >= 1; got {hidden_size}")
         self.eps = eps
         self.output_dtype = output_dtype
         # zero-centred: a zero weight is the identity scale, as checkpoints store it
@@ -43,3 +44,12 @@ class Step5RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}, output_dtype={self.output_dtype}"
+
+
+class Step5RMSNorm(ZeroCenteredRMSNorm):
+    """The Step-5 residual-stream norm: `ZeroCenteredRMSNorm` with the reference checkpoint's eps 1e-5."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, output_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(hidden_size, eps, output_dtype)

@@ -1,0 +1,16 @@
+"""QSA layers and model: gated GQA routed by a frozen compressed-block indexer (SEMANTICS §2)."""
+
+from .attention import QSAAttention, dense_causal_attention
+from .config import QSAConfig
+from .layout import QSABatch
+from .model import CausalLMOutput, QSADecoderLayer, QSAModel
+
+__all__ = [
+    "CausalLMOutput",
+    "QSAAttention",
+    "QSABatch",
+    "QSAConfig",
+    "QSADecoderLayer",
+    "QSAModel",
+    "dense_causal_attention",
+]

@@ -1,0 +1,126 @@
+"""`QSAAttention`: gated GQA attention over the token routes of a frozen QSA indexer (SEMANTICS §2)."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from sa_cp import RecomputeReplay, gather_sequence
+from sa_kernels import sparse_gqa_attention
+from sa_routing import QSAIndexer, apply_qsa_rope
+
+from ..norm import ZeroCenteredRMSNorm
+from ..routes import TokenRoutes, token_routes
+from .config import QSAConfig
+from .layout import QSABatch
+
+
+class QSAAttention(nn.Module):
+    """One attention layer of a QSA model: "qsa" layers attend over routed keys, "dense" ones causally.
+
+    Parameters: `q_proj` [heads · 2 · head_dim, hidden] (per head: query, then gate), `k_proj` and
+    `v_proj` [kv_heads · head_dim, hidden], `o_proj` [hidden, heads · head_dim], zero-centred per-head
+    `q_norm` / `k_norm` [head_dim] (FP32); "qsa" layers also hold the frozen `indexer`.
+    Routes are chosen once per call on the `routes` replay channel (`RecomputeReplay`), so activation
+    checkpointing with `QSAModel.checkpoint_context_fn()` replays them in the recompute.
+    """
+
+    def __init__(self, config: QSAConfig, layer_idx: int) -> None:
+        super().__init__()
+        if not isinstance(config, QSAConfig):
+            raise TypeError(
+                f"QSAAttention: config must be a QSAConfig; got {type(config).__name__}"
+            )
+        if not 0 <= layer_idx < config.num_hidden_layers:
+            raise ValueError(
+                f"QSAAttention: layer_idx must be in [0, {config.num_hidden_layers}); got {layer_idx!r}"
+            )
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.backend = config.attn_backend
+        hidden, heads, kv_heads, dim = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, heads * 2 * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(dim, config.rms_norm_eps)
+        self.indexer = QSAIndexer(config.indexer) if self.layer_type == "qsa" else None
+        self.routes: RecomputeReplay[TokenRoutes] = RecomputeReplay(f"qsa-routes-{layer_idx}")
+
+    def forward(self, hidden: torch.Tensor, batch: QSABatch) -> torch.Tensor:
+        """hidden: [batch, local_length, hidden_size] → [batch, local_length, hidden_size]."""
+        heads, kv_heads, dim = (
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        )
+        b, s, _ = hidden.shape
+        query, gate = self.q_proj(hidden).view(b, s, heads, 2 * dim).chunk(2, dim=-1)
+        query = apply_qsa_rope(self.q_norm(query), batch.freqs.expand(b, -1, -1))
+        key = apply_qsa_rope(
+            self.k_norm(self.k_proj(hidden).view(b, s, kv_heads, dim)),
+            batch.freqs.expand(b, -1, -1),
+        )
+        value = self.v_proj(hidden).view(b, s, kv_heads, dim)
+        key = gather_sequence(key, batch.cp.group)
+        value = gather_sequence(value, batch.cp.group)
+        if self.indexer is None:
+            out = dense_causal_attention(query, key, value, batch)
+        else:
+            routes = self.select_routes(hidden, batch, key.shape[1])
+            out = sparse_gqa_attention(
+                query,
+                key,
+                value,
+                routes.token_ids,
+                block_mask=routes.block_mask,
+                backend=self.backend,
+            )
+        return self.o_proj((torch.sigmoid(gate) * out).flatten(-2))
+
+    @torch.compiler.disable
+    def select_routes(self, hidden: torch.Tensor, batch: QSABatch, kv_length: int) -> TokenRoutes:
+        """The indexer's routes of this call (or the recorded ones in a checkpoint recompute)."""
+
+        def select() -> TokenRoutes:
+            ids = self.indexer(hidden, batch.freqs, cp_context=batch.cp)
+            return token_routes(ids, kv_length, self.config.num_attention_heads, self.backend)
+
+        return self.routes.select_or_replay(select)
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: QSABatch
+) -> torch.Tensor:
+    """Causal GQA attention within each document; padding queries give 0.
+
+    Args:
+        query: [batch, local_length, heads, head_dim]; key, value: [batch, global_length, kv_heads,
+            head_dim] (all-gathered under context parallelism).
+    Returns:
+        [batch, local_length, heads, head_dim] in query's dtype.
+    """
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if batch.plain_causal:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+    start = batch.cp.local_start
+    rows = query.shape[1]
+    keys = batch.key_documents
+    queries = batch.query_documents
+    causal = (
+        torch.arange(keys.shape[1], device=query.device)
+        <= (torch.arange(start, start + rows, device=query.device)[:, None])
+    )
+    visible = (queries[:, :, None] == keys[:, None, :]) & (queries[:, :, None] >= 0) & causal
+    # a padding query sees its own key so that the softmax is defined; its output is zeroed below
+    own = torch.arange(start, start + rows, device=query.device)
+    visible[:, torch.arange(rows), own] |= queries < 0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
+    return out.transpose(1, 2) * (queries >= 0)[:, :, None, None].to(out.dtype)

@@ -1,0 +1,209 @@
+"""`QSADecoderLayer` and `QSAModel`: a trainable QSA language model (SEMANTICS §2, §4, §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from sa_cp import checkpoint_context_fn
+from sa_routing import QSAContextParallel
+
+from ..mlp import ClampedSwiGLUMLP
+from ..norm import ZeroCenteredRMSNorm
+from .attention import QSAAttention
+from .config import QSAConfig
+from .layout import QSABatch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """What a model call returns.
+
+    Attributes:
+        logits: [batch, local_length, vocab_size] in the model's dtype.
+        loss: the mean next-token cross entropy over labelled tokens (FP32 scalar), or None
+            without labels (see `QSAModel.forward` for its meaning under context parallelism).
+        indexer_loss: the summed auxiliary losses of the routed layers while indexer training is
+            on, else None.
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None
+
+
+class QSADecoderLayer(nn.Module):
+    """Pre-norm decoder layer: `h + attn(norm(h))`, then `h + mlp(norm(h))` (SwiGLU, no clamp)."""
+
+    def __init__(self, config: QSAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = QSAAttention(config, layer_idx)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = ClampedSwiGLUMLP(config.hidden_size, config.intermediate_size, limit=0.0)
+
+    def forward(self, hidden: torch.Tensor, batch: QSABatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class QSAModel(nn.Module):
+    """Embedding, QSA decoder layers, final norm and LM head.
+
+    Build it in FP32 and cast with `.to(torch.bfloat16)` (norm weights stay FP32). Under activation
+    checkpointing (`enable_activation_checkpointing`) every decoder layer is checkpointed and, with
+    `config.reuse_routes_on_recompute`, its routes are replayed in the recompute.
+    """
+
+    def __init__(self, config: QSAConfig) -> None:
+        super().__init__()
+        if not isinstance(config, QSAConfig):
+            raise TypeError(f"QSAModel: config must be a QSAConfig; got {type(config).__name__}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            QSADecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._checkpoint_context: object | None = None
+        self._checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) projections and embeddings, zero (identity) norm scales,
+        the indexers' own initialisation."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, ZeroCenteredRMSNorm):
+                nn.init.zeros_(module.weight)
+        for indexer in self.indexers():
+            indexer.init_weights(std)
+
+    def indexers(self) -> list[nn.Module]:
+        """The routed layers' indexers, in layer order."""
+        return [
+            layer.self_attn.indexer for layer in self.layers if layer.self_attn.indexer is not None
+        ]
+
+    # -- activation checkpointing ----------------------------------------------------------------
+
+    def checkpoint_context_fn(self, context_fn=None):
+        """A `context_fn` for `torch.utils.checkpoint.checkpoint` that records every routed layer's
+        routes in the forward and replays them in the recompute; `context_fn` (e.g. selective
+        checkpointing's `partial(create_selective_checkpoint_contexts, policy)`) is composed in."""
+        channels = [
+            layer.self_attn.routes for layer in self.layers if layer.self_attn.indexer is not None
+        ]
+        return checkpoint_context_fn(context_fn, *channels)
+
+    def enable_activation_checkpointing(self, context_fn=None) -> None:
+        """Checkpoint every decoder layer (full, or selective through `context_fn`)."""
+        self._checkpointing = True
+        self._checkpoint_context = (
+            self.checkpoint_context_fn(context_fn)
+            if self.config.reuse_routes_on_recompute
+            else context_fn
+        )
+
+    def disable_activation_checkpointing(self) -> None:
+        self._checkpointing = False
+        self._checkpoint_context = None
+
+    # -- forward -----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        cp_context: QSAContextParallel | None = None,
+    ) -> CausalLMOutput:
+        """Logits, and the loss when `labels` are given.
+
+        Args:
+            input_ids: int [batch, local_length] token ids (this rank's shard under CP).
+            attention_mask: [batch, length] right-padding mask (1 = token), or None.
+            cu_seqlens: int [documents + 1] packed-document boundaries (batch 1), ending at the length.
+            labels: int [batch, local_length], the target of each position (already shifted: labels[t]
+                is the token that follows position t), IGNORE_INDEX (−100) where no loss is taken;
+                padding positions are ignored whatever their label.
+            cp_context: context parallelism: `QSAContextParallel.create(local_length, group=...,
+                attention_mask=global_mask or cu_seqlens=global_bounds)`; then attention_mask and
+                cu_seqlens stay None.
+        Returns:
+            `CausalLMOutput`. Under context parallelism each rank's loss is its shard's share scaled
+            by the group size, `size · Σ_local / N_global`: the average over the CP group (what data-
+            parallel gradient averaging computes) is the global mean, as are the averaged gradients.
+        Raises:
+            TypeError, ValueError: see `QSABatch.create`; labels of another shape or dtype.
+        """
+        config = self.config
+        batch = QSABatch.create(
+            input_ids,
+            rotary_dim=config.rotary_dim,
+            rope_theta=config.rope_theta,
+            compress_ratio=config.indexer_compress_ratio,
+            attention_mask=attention_mask,
+            cu_seqlens=cu_seqlens,
+            cp_context=cp_context,
+        )
+        if labels is not None and (
+            not isinstance(labels, torch.Tensor)
+            or labels.shape != input_ids.shape
+            or labels.is_floating_point()
+        ):
+            got = (
+                (tuple(labels.shape), labels.dtype)
+                if isinstance(labels, torch.Tensor)
+                else type(labels).__name__
+            )
+            raise ValueError(
+                f"QSAModel.forward: labels must be an integer tensor shaped like input_ids "
+                f"{tuple(input_ids.shape)}; got {got}"
+            )
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if self._checkpointing and torch.is_grad_enabled():
+                kwargs = (
+                    {}
+                    if self._checkpoint_context is None
+                    else {"context_fn": self._checkpoint_context}
+                )
+                hidden = checkpoint(layer, hidden, batch, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, batch)
+        logits = self.lm_head(self.norm(hidden))
+        loss = None if labels is None else language_model_loss(logits, labels, batch)
+        return CausalLMOutput(logits, loss)
+
+
+def language_model_loss(
+    logits: torch.Tensor, labels: torch.Tensor, batch: QSABatch
+) -> torch.Tensor:
+    """FP32 cross entropy summed over the shard's labelled, non-padding tokens, divided by the global
+    count and multiplied by the CP group size (see `QSAModel.forward`)."""
+    targets = labels.masked_fill(batch.query_documents < 0, IGNORE_INDEX).long()
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (targets != IGNORE_INDEX).sum()
+    cp = batch.cp
+    if cp.size > 1:
+        count = count.clone()
+        dist.all_reduce(count, group=cp.group)
+    return total * cp.size / count.clamp(min=1)
