@@ -767,3 +767,102 @@ def test_csa_indexer_gradients_summed_over_2_ranks_equal_one_process() -> None:
     assert loss.item() > 0
     for name, p in indexer.named_parameters():
         torch.testing.assert_close(ranks[0][name] + ranks[1][name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------
+
+
+def _to(device: str, *tensors):
+    return tuple(
+        t.detach().to(device).requires_grad_(t.requires_grad)
+        if t.is_floating_point()
+        else t.to(device)
+        for t in tensors
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_losses_and_gradients_equal_the_cpu_ones(mode) -> None:
+    total, c, budget = 2048, 4, 128
+    cu = (0, 700, 703, 1900, 2048)
+    cpu = _qsa_tensors(17, 1, total, total, packed_block_starts(cu, c)[-1], heads=8, index_heads=4)
+    common = dict(token_budget=budget, compress_ratio=c, mode=mode, cu_seqlens=cu)
+    results = []
+    for device in ("cpu", "cuda"):
+        query, key, iq, ck = _to(device, *cpu)
+        routes = None
+        if mode == "sparse":
+            routes = select_qsa_token_ids(
+                cpu[2].detach(),
+                cpu[3].detach(),
+                None,
+                token_budget=budget,
+                compress_ratio=c,
+                cu_seqlens=cu,
+            ).to(device)
+        loss = qsa_indexer_distillation_loss(
+            query.bfloat16(), key.bfloat16(), iq, ck, **common, routes=routes
+        )
+        results.append((loss, *torch.autograd.grad(loss, (iq, ck))))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    pos, pad = document_positions([900, 5, 1100], total)
+    pos, pad = pos[None], pad[None]
+    m = region_metadata(pos, pad, 0, total, 8, 16)
+    cpu = _csa_tensors(18, 1, total, total, m.region_count)
+    selection = None
+    if mode == "sparse":
+        selection = reference_select_regions(*(t.detach() for t in cpu[2:]), pos, pad, 0, 8, 16)
+    results = []
+    for device in ("cpu", "cuda"):
+        query, key, iq, iw, summaries = _to(device, *cpu)
+        md = region_metadata(pos.to(device), pad.to(device), 0, total, 8, 16)
+        loss = csa_indexer_distillation_loss(
+            query.bfloat16(),
+            key.bfloat16(),
+            iq,
+            iw,
+            summaries,
+            md,
+            mode=mode,
+            selection=None if selection is None else selection.to(device),
+        )
+        results.append((loss, *torch.autograd.grad(loss, (iq, iw, summaries))))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_of_a_64k_token_qsa_loss_stays_within_its_tiles() -> None:
+    """The reference geometry (24 heads of 256, 2 KV heads, 4 index heads of 128, c 4) at 65 536
+    tokens: the extra memory of loss and backward is the FP32 gradients of the index tensors plus a
+    few tiles; one FP32 [S, blocks] tensor would take 4 GiB."""
+    total, c, heads, query_block, key_block = 65536, 4, 24, 256, 2048
+    g = torch.Generator(device="cuda").manual_seed(19)
+    query = torch.randn(1, total, heads, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    key = torch.randn(1, total, 2, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    iq = torch.randn(1, total, 4, 128, device="cuda", generator=g).requires_grad_()
+    ck = torch.randn(1, total // c, 1, 128, device="cuda", generator=g).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = qsa_indexer_distillation_loss(
+        query,
+        key,
+        iq,
+        ck,
+        token_budget=2048,
+        compress_ratio=c,
+        mode="dense_warmup",
+        query_block=query_block,
+        key_block=key_block,
+    )
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    gradients = 4 * (iq.numel() + ck.numel())
+    tile = 4 * max(heads * query_block * key_block, query_block * (total // c + 1))
+    assert torch.isfinite(loss) and loss.item() > 0
+    assert peak <= 3 * gradients + 8 * tile, (peak, gradients, tile)

@@ -24,11 +24,15 @@ The main attention's query and key are read under `no_grad` (detached), so the l
 indexer in both modes; the indexer tensors come from its `training_*` methods (FP32, no checkpoint
 roundings), which detach their hidden-state input by default.
 
-Memory: tiles of `query_block` queries against streamed blocks of `key_block` keys; the largest
-temporaries are `[heads, query_block, key_block]` and `[groups, query_block, tile units]` FP32. The
-gradients of the indexer tensors are computed in the forward, tile by tile (the loss is their only
-consumer), and scaled by the incoming gradient in the backward: the autograd graph holds gradients
-the size of the indexer tensors, nothing per (query, key). Double backward is not supported.
+Memory and cost: tiles of `query_block` queries against streamed blocks of `key_block` keys. The
+largest temporaries are one FP32 `[heads, query_block, key_block]` score block (128 MiB at 64 heads
+and the defaults) and a few FP32 `[groups, query_block, tile units]` unit rows (tile units: the
+blocks / regions its queries can see). The gradients of the indexer tensors are computed in the
+forward, tile by tile (the loss is their only consumer), and scaled by the incoming gradient in the
+backward: the autograd graph holds gradients the size of the indexer tensors, nothing per (query,
+key). Double backward is not supported. The target costs two FP32 passes of `Q · Kᵀ` over the causal
+keys of the sparse queries (one when `lse` is given); the matmuls follow
+`torch.backends.cuda.matmul.allow_tf32`.
 
 Context parallelism: each rank passes its shard's queries (`query_start` / `metadata.query_start`)
 and the gathered global keys (main keys as the attention gathers them; indexer keys / summaries from
@@ -83,7 +87,9 @@ class _DistillationLoss(torch.autograd.Function):
         if reduction == "mean":
             count = problem.loss_rows.sum().clamp_min(1).to(torch.float32)
             total = total / count
-            grads = tuple(None if g is None else g / count for g in grads)
+            for g in grads:
+                if g is not None:
+                    g.div_(count)
         inputs = (index_queries, index_weights, unit_keys)
         ctx.dtypes = tuple(None if t is None else t.dtype for t in inputs)
         ctx.present = tuple(g is not None for g in grads)
@@ -116,8 +122,8 @@ def qsa_indexer_distillation_loss(
     query_start: int = 0,
     lse: torch.Tensor | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    query_block: int = 128,
-    key_block: int = 1024,
+    query_block: int = 256,
+    key_block: int = 2048,
 ) -> torch.Tensor:
     """KL distillation loss of the QSA indexer's block logits to the main attention (SEMANTICS §2).
 
@@ -262,8 +268,8 @@ def csa_indexer_distillation_loss(
     softmax_scale: float | None = None,
     lse: torch.Tensor | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    query_block: int = 128,
-    key_block: int = 1024,
+    query_block: int = 256,
+    key_block: int = 2048,
 ) -> torch.Tensor:
     """KL distillation loss of the Step-5 indexer's region scores to the main attention (SEMANTICS §1.2).
 

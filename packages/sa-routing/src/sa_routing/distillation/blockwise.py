@@ -15,7 +15,8 @@ Per tile:
    by hand from `softmax − target` (the scores are sums of ReLUs of dot products), recomputing each
    head's dots instead of keeping them.
 
-So the largest temporaries are `[heads, query_block, key_block]` (the attention scores) and
+So the largest temporaries are `[heads, query_block, key_block]` (the attention scores, one alive
+at a time: the exponentials run in place) and
 `[groups, query_block, tile units]` (target, logits, gradient); no tensor of all queries against all
 keys or units exists, in the forward or the backward (the autograd graph keeps only the gradients).
 """
@@ -136,8 +137,12 @@ def _target(
     per_kv, per_group = heads // kv_heads, heads // groups
     device = query.device
     # [Hkv, per_kv * rows, D]: head h = kv * per_kv + j lands at rows [j * rows, (j + 1) * rows)
-    q = query[b, q0:q1].float().view(rows, kv_heads, per_kv, dim).permute(1, 2, 0, 3)
-    q = q.reshape(kv_heads, per_kv * rows, dim)
+    q = query[b, q0:q1].float() * problem.softmax_scale
+    q = (
+        q.view(rows, kv_heads, per_kv, dim)
+        .permute(1, 2, 0, 3)
+        .reshape(kv_heads, per_kv * rows, dim)
+    )
     query_rows = problem.query_start + torch.arange(q0, q1, device=device)
     query_documents = problem.query_documents[b, q0:q1]
     sparse = problem.selected_units is not None
@@ -148,7 +153,7 @@ def _target(
     def block(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Masked scaled scores [G, per_group, rows, keys] and the keys' unit slots [keys]."""
         k = key[b, t0:t1].float().permute(1, 2, 0)  # [Hkv, D, keys]
-        scores = torch.bmm(q, k).view(groups, per_group, rows, t1 - t0) * problem.softmax_scale
+        scores = torch.bmm(q, k).view(groups, per_group, rows, t1 - t0)
         key_rows = torch.arange(t0, t1, device=device)
         visible = (
             (problem.key_documents[b, t0:t1] == query_documents[:, None])
@@ -175,9 +180,8 @@ def _target(
             scores, _ = block(t0, t1)
             new_max = torch.maximum(running_max, scores.amax(dim=-1))
             shift = torch.where(new_max > _NEG_INF, new_max, 0.0)
-            total = total * torch.exp(running_max - shift) + torch.exp(
-                scores - shift[..., None]
-            ).sum(dim=-1)
+            block_sum = scores.sub_(shift[..., None]).exp_().sum(dim=-1)  # in place: scores die
+            total = total * torch.exp(running_max - shift) + block_sum
             running_max = new_max
         shift = torch.where(running_max > _NEG_INF, running_max, 0.0)
         lse = torch.where(total > 0, shift + torch.log(total), float("inf"))
@@ -187,7 +191,7 @@ def _target(
     mass = torch.zeros(groups, rows, units + 1, device=device)
     for t0, t1 in key_ranges:  # pass 2: probabilities, summed over the group's heads, into units
         scores, slot = block(t0, t1)
-        probabilities = torch.exp(scores - lse[..., None]).sum(dim=1)  # [G, rows, keys]
+        probabilities = scores.sub_(lse[..., None]).exp_().sum(dim=1)  # [G, rows, keys]
         mass.scatter_add_(2, slot.expand(groups, rows, -1), probabilities)
     target = mass[..., :units] * candidates
     norm = target.sum(dim=-1, keepdim=True)

@@ -56,7 +56,9 @@ def qsa_problem(
         document_start = torch.zeros(1, dtype=torch.int64, device=device)
     else:
         sizes = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
-        documents = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+        documents = torch.repeat_interleave(
+            torch.arange(len(sizes), device=device), sizes, output_size=bounds[-1]
+        )  # output_size: no synchronisation
         documents = torch.cat(
             [documents, documents.new_full((total - bounds[-1],), -1)]
         )  # the tail past the last document is padding
