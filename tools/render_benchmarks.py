@@ -76,9 +76,9 @@ history, not here.
 - GPU times come from `triton.testing.do_bench`: the call runs for a warm-up time, then is timed
   with CUDA events over repeated runs, the L2 cache cleared (a 256 MB write) before each; the figure
   is the mean of those runs (do_bench's default). Rows marked *CUDA graph* replay the call from a
-  graph, which removes its host launch cost. The FP64 oracles and the replay benchmark are timed with
-  a host timer around synchronised calls (median of a few calls); Step-5's stage split is the median
-  of three forwards, CUDA events between stages.
+  graph, which removes its host launch cost (L2 is not cleared between replays). The FP64 oracles
+  and the replay benchmark are timed with a host timer around synchronised calls (median of a few
+  calls); Step-5's stage split is the median of three forwards, CUDA events between stages.
 - Effective TFLOP/s count the useful work only. Sparse GQA: 4·D FLOPs per selected (query head, key)
   pair forward, 14·D forward+backward (dense causal SDPA: S(S+1)/2 pairs per head). Sparse MLA:
   2·S·H·top-k·(576 + 512) forward, 2.5× that backward. `indexer_score_tile`: 2·Q·G·H·R·D. QSA: the
