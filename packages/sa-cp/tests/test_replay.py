@@ -246,3 +246,14 @@ def test_route_selection_region_hides_ops_from_dispatch_modes(tokens):
         assert torch.ops.aten.topk.default not in log.ops
         tokens.sum(-1).topk(3)
     assert torch.ops.aten.topk.default in log.ops
+
+
+def test_a_copied_channel_starts_unbound_and_keeps_its_name():
+    import copy
+    import pickle
+
+    channel = RecomputeReplay("routes")
+    with channel.scope(RecomputeReplayRecorder(), "record"):
+        for clone in (copy.deepcopy(channel), pickle.loads(pickle.dumps(channel))):
+            assert clone.name == "routes" and clone.current() is None
+        assert channel.current() is not None

@@ -81,6 +81,15 @@ class RecomputeReplay(Generic[T]):
     def __repr__(self) -> str:
         return f"RecomputeReplay({self.name!r})"
 
+    def __getstate__(self) -> dict:
+        # Bindings are per thread and per call: a copied or pickled channel (a deep-copied model,
+        # a model sent to another process) starts unbound.
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.name = state["name"]
+        self._local = threading.local()
+
     def _stack(self) -> list[ReplayBinding[T]]:
         stack = getattr(self._local, "stack", None)
         if stack is None:

@@ -391,7 +391,8 @@ class QSAIndexer(nn.Module):
             raise ValueError(
                 f"{_OP}: hidden_states holds {rows} tokens; cp_context.local_length is {cp_context.local_length}"
             )
-        cp_context.check_compress_ratio(_OP, self.config.indexer_compress_ratio)
+        if cp_context.size > 1:  # a single rank holds every block, whole or not
+            cp_context.check_compress_ratio(_OP, self.config.indexer_compress_ratio)
         if cp_context.cu_seqlens is not None:
             if batch != 1:
                 raise ValueError(

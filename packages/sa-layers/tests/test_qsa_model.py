@@ -1,0 +1,403 @@
+"""QSA attention, decoder layer and model against plain references (CPU; Triton interpreted)."""
+
+import copy
+import functools
+import io
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
+
+from sa_cp import ContextParallelLayout
+from sa_cp.testing import run_on_ranks
+from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
+from sa_routing import QSAContextParallel, apply_qsa_rope
+
+SEQUENCE = 40
+
+
+def tiny_config(**overrides) -> QSAConfig:
+    """Budget 8, ratio 2: positions from 9 on are sparse."""
+    fields = dict(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        indexer_n_heads=2,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=2,
+        attn_backend="reference",
+        initializer_range=0.2,
+    )
+    fields.update(overrides)
+    return QSAConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides) -> QSAModel:
+    torch.manual_seed(seed)
+    model = QSAModel(tiny_config(**overrides))
+    with torch.no_grad():  # non-trivial norm scales, so that a wrong norm cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if "indexer" not in name else p.uniform_(0.5, 1.5)
+    return model
+
+
+def token_ids(batch: int = 2, length: int = SEQUENCE, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def layout(config: QSAConfig, ids: torch.Tensor, **kwargs) -> QSABatch:
+    return QSABatch.create(
+        ids,
+        rotary_dim=config.rotary_dim,
+        rope_theta=config.rope_theta,
+        compress_ratio=config.indexer_compress_ratio,
+        **kwargs,
+    )
+
+
+def reference_attention(layer: QSAAttention, hidden: torch.Tensor, batch: QSABatch, ids=None):
+    """Float64 gated attention written out: dense softmax over the route sets (or causal-in-document
+    when `ids` is None), padding queries zero."""
+    cfg = layer.config
+    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    b, s, _ = hidden.shape
+    x = hidden.double()
+    qg = (x @ layer.q_proj.weight.double().T).view(b, s, h, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+
+    def norm(t, w):
+        return (
+            t * torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + w.double())
+        )
+
+    freqs = batch.freqs.double().expand(b, -1, -1)
+    q = apply_qsa_rope(norm(q, layer.q_norm.weight), freqs)
+    k = apply_qsa_rope(
+        norm((x @ layer.k_proj.weight.double().T).view(b, s, kv, d), layer.k_norm.weight), freqs
+    )
+    v = (x @ layer.v_proj.weight.double().T).view(b, s, kv, d)
+    k, v = (t.repeat_interleave(h // kv, dim=2) for t in (k, v))
+    docs = batch.key_documents
+    if ids is None:
+        idx = torch.arange(s)
+        mask = (docs[:, :, None] == docs[:, None, :]) & (idx[:, None] >= idx[None, :])
+        mask &= (docs >= 0)[:, :, None]
+    else:
+        mask = torch.zeros(b, s, s, dtype=torch.bool)
+        for bi in range(b):
+            for row in range(s):
+                valid = ids[bi, row][ids[bi, row] >= 0].long()
+                mask[bi, row, valid] = True
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return (torch.sigmoid(gate) * out).flatten(-2) @ layer.o_proj.weight.double().T
+
+
+def capture_routes(layer: QSAAttention) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    layer.indexer.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    return seen
+
+
+# -- the layer against its reference ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["reference", "gather"])
+def test_qsa_layer_equals_dense_attention_over_the_routes_its_indexer_chose(backend):
+    model = tiny_model(attn_backend=backend)
+    layer = model.layers[0].self_attn
+    seen = capture_routes(layer)
+    hidden = torch.randn(2, SEQUENCE, 32, generator=torch.Generator().manual_seed(2))
+    batch = layout(model.config, token_ids())
+    out = layer(hidden, batch)
+    (ids,) = seen
+    sparse_rows = (ids[:, 9:] >= 0).sum(-1) < torch.arange(9, SEQUENCE) + 1
+    assert sparse_rows.all()  # rows past the dense prefix really drop keys
+    torch.testing.assert_close(
+        out.double(), reference_attention(layer, hidden, batch, ids), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_qsa_layer_equals_dense_causal_attention_up_to_budget_plus_ratio_minus_one_tokens():
+    config = tiny_config()
+    length = config.indexer_budget + config.indexer_compress_ratio - 1  # 9: every row is dense
+    model = tiny_model()
+    qsa = model.layers[0].self_attn
+    dense = QSAAttention(tiny_config(layer_types=("dense", "dense")), 0)
+    dense.load_state_dict(
+        {k: v for k, v in qsa.state_dict().items() if not k.startswith("indexer")}
+    )
+    hidden = torch.randn(2, length, 32, generator=torch.Generator().manual_seed(3))
+    batch = layout(config, token_ids(length=length))
+    outs, grads = [], []
+    for layer in (qsa, dense):
+        x = hidden.clone().requires_grad_(True)
+        out = layer(x, batch)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append(
+            [
+                x.grad,
+                *(p.grad for p in (layer.q_proj.weight, layer.k_proj.weight, layer.q_norm.weight)),
+            ]
+        )
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*grads, strict=True):  # FP32 sums in another order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(
+        outs[1].double(), reference_attention(dense, hidden, batch), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_right_padding_rows_equal_their_unpadded_sequence_and_padding_outputs_zero():
+    model = tiny_model()
+    layer = model.layers[0].self_attn
+    hidden = torch.randn(2, SEQUENCE, 32, generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, SEQUENCE, dtype=torch.long)
+    mask[1, 27:] = 0
+    out = layer(hidden, layout(model.config, token_ids(), attention_mask=mask))
+    alone = layer(hidden[1:, :27], layout(model.config, token_ids(1, 27)))
+    torch.testing.assert_close(out[1, :27], alone[0], rtol=1e-5, atol=1e-6)
+    assert out[1, 27:].abs().max() == 0
+    for kind in ("qsa", "dense"):
+        m = tiny_model(layer_types=(kind, kind))
+        full = m(token_ids(), attention_mask=mask).logits
+        single = m(token_ids()[1:, :27]).logits
+        torch.testing.assert_close(full[1, :27], single[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qsa", "dense"])
+def test_packed_documents_equal_each_document_alone_and_routes_stay_in_their_document(kind):
+    model = tiny_model(layer_types=(kind, kind))
+    bounds = (0, 13, 30, SEQUENCE)
+    ids = token_ids(1)
+    seen = capture_routes(model.layers[0].self_attn) if kind == "qsa" else []
+    embeds = model.embed_tokens(ids).detach().requires_grad_(True)
+    batch = layout(model.config, ids, cu_seqlens=torch.tensor(bounds))
+    packed = model.layers[0](embeds, batch)
+    weight = torch.randn(packed.shape, generator=torch.Generator().manual_seed(5))
+    (packed * weight).sum().backward()
+    for start, stop in itertools.pairwise(bounds):
+        piece = embeds.detach()[:, start:stop].clone().requires_grad_(True)
+        alone = model.layers[0](piece, layout(model.config, ids[:, start:stop]))
+        (alone * weight[:, start:stop]).sum().backward()
+        torch.testing.assert_close(packed[:, start:stop], alone, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(embeds.grad[:, start:stop], piece.grad, rtol=1e-4, atol=2e-5)
+        if seen:
+            routes = seen[0][0, start:stop]
+            valid = routes[routes >= 0]
+            assert ((valid >= start) & (valid < stop)).all()
+
+
+# -- replay under activation checkpointing ---------------------------------------------------------
+
+
+def _recompute_everything_but_matmuls(ctx, op, *args, **kwargs):
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.mm.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def train_step(mode: str, reuse: bool = True):
+    model = tiny_model(reuse_routes_on_recompute=reuse)
+    calls = [0]
+    for indexer in model.indexers():
+        indexer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    if mode == "full":
+        model.enable_activation_checkpointing()
+    elif mode == "selective":
+        model.enable_activation_checkpointing(
+            functools.partial(
+                create_selective_checkpoint_contexts, _recompute_everything_but_matmuls
+            )
+        )
+    ids = token_ids()
+    loss = model(ids, labels=token_ids(seed=7)).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad], calls[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_bitwise_equal(mode):
+    ref_loss, ref_grads, ref_calls = train_step("none")
+    loss, grads, calls = train_step(mode)
+    assert ref_calls == calls == 2  # two QSA layers, one indexer call each
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_without_route_reuse_the_recompute_runs_the_indexer_again():
+    _, _, calls = train_step("full", reuse=False)
+    assert calls == 4
+
+
+# -- context parallelism on gloo ranks -------------------------------------------------------------
+
+
+def _sharded(rank, world_size, model, ids, labels, bounds):
+    local = ids.shape[1] // world_size
+    cp = QSAContextParallel.create(local, group=dist.group.WORLD, cu_seqlens=bounds)
+    rows = slice(rank * local, (rank + 1) * local)
+    seen = capture_routes(model.layers[0].self_attn)
+    out = model(ids[:, rows], labels=labels[:, rows], cp_context=cp)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return out.logits.detach(), out.loss.detach(), grads, seen[0]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "packed"),
+    [(2, False), (4, False), (2, True)],
+    ids=["2ranks", "4ranks", "2ranks-packed"],
+)
+def test_context_parallel_shards_equal_the_single_rank_model(world_size, packed):
+    model = tiny_model(layer_types=("qsa", "dense"))
+    bounds = (0, 11, 26, SEQUENCE) if packed else None
+    ids, labels = token_ids(1 if packed else 2), token_ids(1 if packed else 2, seed=8)
+    seen = capture_routes(model.layers[0].self_attn)
+    expected = model(ids, cu_seqlens=bounds, labels=labels)
+    expected.loss.backward()
+    ref_grads = [p.grad for p in model.parameters() if p.requires_grad]
+    results = run_on_ranks(
+        world_size, _sharded, tiny_model(layer_types=("qsa", "dense")), ids, labels, bounds
+    )
+    local = SEQUENCE // world_size
+    for rank, (logits, _, _, routes) in enumerate(results):
+        rows = slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(logits, expected.logits[:, rows].detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(routes, seen[0][:, rows])
+    # the CP loss's scaling makes the group average the global mean (loss and gradients)
+    torch.testing.assert_close(sum(r[1] for r in results) / world_size, expected.loss.detach())
+    for i, ref in enumerate(ref_grads):
+        torch.testing.assert_close(
+            sum(r[2][i] for r in results) / world_size, ref, rtol=1e-5, atol=1e-6
+        )
+
+
+# -- training and checkpoints ------------------------------------------------------------------------
+
+
+def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
+    model = tiny_model()
+    ids = token_ids(4, 24, seed=9)
+    labels = torch.roll(ids, -1, dims=1)  # learn to predict the next token of fixed sequences
+    labels[:, -1] = -100
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    assert any(k.endswith("indexer.qk_proj.weight") for k in model.state_dict())
+    fresh = tiny_model(seed=123)
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    assert torch.equal(fresh(ids).logits, model(ids).logits)
+    assert all(not p.requires_grad for ix in fresh.indexers() for p in ix.parameters())
+
+
+def test_bf16_model_keeps_fp32_norm_weights_and_runs():
+    model = copy.deepcopy(tiny_model()).to(torch.bfloat16)
+    assert model.norm.weight.dtype == torch.float32
+    out = model(token_ids(), labels=token_ids(seed=3))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+
+
+# -- errors at the boundary ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(input_ids=torch.zeros(2, 8)), TypeError, "input_ids must be an integer tensor"),
+        (
+            dict(attention_mask=torch.tensor([[0, 1] * 4] * 2)),
+            ValueError,
+            "attention_mask rows must be ones then zeros",
+        ),
+        (
+            dict(input_ids=torch.zeros(1, 8, dtype=torch.long), cu_seqlens=(0, 5, 3)),
+            ValueError,
+            "strictly increasing",
+        ),
+        (
+            dict(input_ids=torch.zeros(1, 8, dtype=torch.long), cu_seqlens=(0, 5)),
+            ValueError,
+            "must end at the sequence length 8",
+        ),
+        (
+            dict(attention_mask=torch.ones(2, 8), cu_seqlens=(0, 8)),
+            ValueError,
+            "attention_mask and cu_seqlens exclude each other",
+        ),
+        (
+            dict(labels=torch.zeros(2, 7, dtype=torch.long)),
+            ValueError,
+            "labels must be an integer tensor shaped like input_ids",
+        ),
+    ],
+    ids=[
+        "float-ids",
+        "left-padded-mask",
+        "decreasing-cu",
+        "short-cu",
+        "mask-and-cu",
+        "labels-shape",
+    ],
+)
+def test_bad_batches_raise_naming_the_argument(kwargs, error, match):
+    model = tiny_model()
+    kwargs = {"input_ids": torch.zeros(2, 8, dtype=torch.long), **kwargs}
+    with pytest.raises(error, match=match):
+        model(**kwargs)
+
+
+def test_a_cp_shard_that_is_not_a_multiple_of_the_compress_ratio_is_rejected():
+    model = tiny_model()
+    cp = QSAContextParallel(ContextParallelLayout(rank=0, size=2, global_length=14, local_length=7))
+    with pytest.raises(
+        ValueError, match=r"local length \(7\) must be a multiple of the compress ratio \(2\)"
+    ):
+        model(torch.zeros(1, 7, dtype=torch.long), cp_context=cp)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            dict(num_attention_heads=5),
+            "num_attention_heads \\(5\\) must be a multiple of num_key_value_heads",
+        ),
+        (
+            dict(indexer_budget=9),
+            "indexer_budget \\(9\\) must be divisible by indexer_compress_ratio",
+        ),
+        (dict(layer_types=("qsa", "swa")), "layer_types must be 'qsa' or 'dense'"),
+        (dict(attn_backend="magic"), "attn_backend must be one of"),
+        (dict(layer_types=("qsa",)), "layer_types must hold num_hidden_layers=2"),
+        (dict(partial_rotary_factor=0.1), "rotary_dim"),
+    ],
+    ids=["heads", "budget", "layer-type", "backend", "layer-count", "rotary"],
+)
+def test_bad_configs_raise_at_construction_naming_the_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**overrides)
