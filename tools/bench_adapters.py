@@ -447,7 +447,7 @@ def _sparse_mla(rows: list[dict]) -> dict[str, list]:
                     status=_met(native["tflops"] >= goal),
                 )
             )
-    if "canonical_topk" in named:
+    if "canonical_topk" in named and (raw_fwd or raw_bwd):  # no fused runtimes: no fused file
         fused.append(
             row("id compaction alone (canonical_topk)", shape, named["canonical_topk"]["ms"])
         )
