@@ -35,8 +35,10 @@ keys of the sparse queries (one when `lse` is given); the matmuls follow
 `torch.backends.cuda.matmul.allow_tf32`.
 
 Context parallelism: each rank passes its shard's queries (`query_start` / `metadata.query_start`)
-and the gathered global keys (main keys as the attention gathers them; indexer keys / summaries from
-`training_keys` gathered with `sa_cp.gather_sequence`, so their gradients reduce-scatter back).
+and the global keys: the main keys as the attention gathers them; the indexer keys with gradient
+(`QSAIndexer.training_keys(..., cp_context=...)` gathers them itself; gather the outputs of
+`Step5SparseIndexer.training_keys` with `sa_cp.gather_sequence` before `training_summaries`), so
+that their gradients reduce-scatter back to the rank that projected them.
 `reduction="mean"` is the mean over the rank's own sparse queries; for the exact global mean pass
 `reduction="sum"` and divide by the global count of sparse queries (QSA: `Σ max(0, L − dense_positions)`
 over rows or packed documents of length L, `QSAIndexerConfig.dense_positions`; CSA: the all-reduced
