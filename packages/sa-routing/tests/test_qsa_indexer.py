@@ -222,8 +222,19 @@ def test_context_parallel_context_validates_the_shard():
     )
     assert (ctx.rank, ctx.size, ctx.padded_length, ctx.sequence_lengths) == (0, 1, 12, (7,))
     indexer = small_indexer(torch.float32, indexer_compress_ratio=5, indexer_budget=10)
+    two_ranks = QSAContextParallel(ContextParallelLayout(0, 2, 24, 12))  # planned, no group
     with pytest.raises(ValueError, match="multiple of the compress ratio"):
-        indexer(torch.randn(1, 12, 40), rotary_table(torch.arange(12)[None], 8), cp_context=ctx)
+        indexer(
+            torch.randn(1, 12, 40), rotary_table(torch.arange(12)[None], 8), cp_context=two_ranks
+        )
+    # one rank holds every block: a length that is not a multiple of the ratio routes as usual
+    assert (
+        indexer(torch.randn(1, 12, 40), rotary_table(torch.arange(12)[None], 8), cp_context=ctx)[
+            0, 7:
+        ]
+        .eq(-1)
+        .all()
+    )
     with pytest.raises(ValueError, match=r"QSAContextParallel\.create"):
         small_indexer(torch.float32)(
             torch.randn(1, 12, 40),

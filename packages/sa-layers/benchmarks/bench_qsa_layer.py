@@ -1,0 +1,158 @@
+"""One QSA layer and a 4-layer QSA model, fwd+bwd on the GPU, against the same with dense attention.
+
+Reference geometry (hidden 2560, Hq 24 / Hkv 2, D 256, indexer 4 × 128, budget 2048, ratio 4) in
+bf16, random hidden states, routes from the layer's own (randomly initialised) indexer. Rows:
+
+    layer            QSAAttention fwd+bwd, indexer and route mask included, vs the same weights with
+                     `layer_types=("dense",)` (plain causal SDPA); peak memory of both
+    route prep       the indexer and `build_route_block_mask` alone (share of the layer)
+    model            a 4-layer QSAModel (vocab 32 000) fwd+bwd tokens/s vs the all-dense model
+
+Times are medians of `triton.testing.do_bench` (warm-up included; the first call compiles Flex).
+Writes record rows (`tools/bench_records.py`) with `--json PATH`.
+
+    python packages/sa-layers/benchmarks/bench_qsa_layer.py [--quick] [--lengths N ...] [--json PATH]
+"""
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
+from sa_layers.routes import token_routes
+
+GOALS = {32768: 1.0, 65536: 2.5, 131072: 5.0}
+
+
+def config(layer_type: str, layers: int = 1) -> QSAConfig:
+    return QSAConfig(vocab_size=32000, num_hidden_layers=layers, layer_types=(layer_type,) * layers)
+
+
+def batch_of(cfg: QSAConfig, length: int) -> QSABatch:
+    ids = torch.zeros(1, length, dtype=torch.long, device="cuda")
+    return QSABatch.create(
+        ids,
+        rotary_dim=cfg.rotary_dim,
+        rope_theta=cfg.rope_theta,
+        compress_ratio=cfg.indexer_compress_ratio,
+    )
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def layer_rows(length: int) -> list[dict]:
+    torch.manual_seed(0)
+    sparse = QSAAttention(config("qsa"), 0).cuda().to(torch.bfloat16)
+    sparse.indexer.init_weights(0.02)
+    dense = QSAAttention(config("dense"), 0).cuda().to(torch.bfloat16)
+    dense.load_state_dict(
+        {k: v for k, v in sparse.state_dict().items() if not k.startswith("indexer")}
+    )
+    batch = batch_of(sparse.config, length)
+    hidden = torch.randn(1, length, 2560, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(hidden)
+
+    def step(layer):
+        return lambda: layer(hidden, batch).backward(grad)
+
+    def route_prep():
+        with torch.no_grad():
+            ids = sparse.indexer(hidden, batch.freqs, cp_context=batch.cp)
+            token_routes(ids, length, 24, "auto")
+
+    t_sparse = do_bench(step(sparse), warmup=2, rep=5, return_mode="median")
+    t_dense = do_bench(step(dense), warmup=2, rep=5, return_mode="median")
+    t_prep = do_bench(route_prep, warmup=1, rep=5, return_mode="median")
+    m_sparse, m_dense = peak_gib(step(sparse)), peak_gib(step(dense))
+    shape = f"1 × {length} tokens, hidden 2560, Hq 24 / Hkv 2, D 256, bf16"
+    ratio = t_dense / t_sparse
+    goal = GOALS.get(length)
+    rows = [
+        dict(
+            what="QSA layer fwd+bwd (indexer and route mask included)",
+            shape=shape,
+            time_ms=round(t_sparse, 3),
+            baseline="same layer with dense causal SDPA",
+            baseline_ms=round(t_dense, 3),
+            ratio=round(ratio, 2),
+            throughput=f"peak {m_sparse:.2f} GiB vs dense {m_dense:.2f} GiB",
+            goal=None if goal is None else f"≥ {goal}× dense; peak ≤ dense",
+            status=None
+            if goal is None
+            else ("met" if ratio >= goal and m_sparse <= m_dense else "not met"),
+        ),
+        dict(
+            what="QSA route preparation (indexer + route mask)",
+            shape=shape,
+            time_ms=round(t_prep, 3),
+            baseline="the QSA layer fwd+bwd",
+            baseline_ms=round(t_sparse, 3),
+            ratio=round(t_sparse / t_prep, 2),
+            throughput=f"{100 * t_prep / t_sparse:.1f} % of the layer",
+            goal="≤ 10 % of the layer" if length == 65536 else None,
+            status=("met" if t_prep <= 0.1 * t_sparse else "not met") if length == 65536 else None,
+        ),
+    ]
+    for r in rows:
+        print(json.dumps(r))
+    return rows
+
+
+def model_rows(length: int) -> list[dict]:
+    times, peaks = {}, {}
+    for kind in ("qsa", "dense"):
+        torch.manual_seed(0)
+        model = QSAModel(config(kind, layers=4)).cuda().to(torch.bfloat16)
+        ids = torch.randint(0, 32000, (1, length), device="cuda")
+
+        def step(model=model, ids=ids):
+            model(ids, labels=ids).loss.backward()
+
+        times[kind] = do_bench(step, warmup=2, rep=5, return_mode="median")
+        peaks[kind] = peak_gib(step)
+        del model
+        torch.cuda.empty_cache()
+    row = dict(
+        what="4-layer QSAModel fwd+bwd",
+        shape=f"1 × {length} tokens, vocab 32 000, bf16",
+        time_ms=round(times["qsa"], 3),
+        baseline="same model, every layer dense causal SDPA",
+        baseline_ms=round(times["dense"], 3),
+        ratio=round(times["dense"] / times["qsa"], 2),
+        throughput=(
+            f"{length / times['qsa'] * 1e3:,.0f} tok/s vs {length / times['dense'] * 1e3:,.0f}; "
+            f"peak {peaks['qsa']:.1f} vs {peaks['dense']:.1f} GiB"
+        ),
+    )
+    print(json.dumps(row))
+    return [row]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32k and 64k only")
+    parser.add_argument("--lengths", type=int, nargs="+")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    lengths = args.lengths or ([32768, 65536] if args.quick else [32768, 65536, 131072])
+    rows = []
+    for length in lengths:
+        rows += layer_rows(length)
+    for length in [n for n in lengths if n >= 65536]:
+        rows += model_rows(length)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
