@@ -1,0 +1,592 @@
+"""Step-5 attention (SWA, CSA, dense), decoder layer and model against plain references (CPU)."""
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from sa_cp import ContextParallelLayout
+from sa_cp.testing import run_on_ranks
+from sa_layers import Step5Attention, Step5Batch, Step5Config, Step5DecoderLayer, Step5Model
+from sa_layers.moe import Step5MoE
+from sa_routing import Step5SparseConfig
+
+SEQUENCE = 48
+# queries at document position >= (TOPK + 1) * REGION = 12 are sparse
+REGION, TOPK, WINDOW = 4, 2, 8
+
+
+def tiny_config(**overrides) -> Step5Config:
+    sparse = overrides.pop("sparse", {})
+    fields = dict(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_attention_groups=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
+        partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
+        swiglu_limits=(0.0, 2.0, 0.0, 1.5),
+        sparse_config=Step5SparseConfig(
+            proxy_dim=16,
+            index_heads=4,
+            num_provider_groups=2,
+            rope_dim=8,
+            region_size=REGION,
+            topk=TOPK,
+            hidden_size=32,
+            **sparse,
+        ),
+        attn_backend="reference",
+        initializer_range=0.2,
+    )
+    fields.update(overrides)
+    return Step5Config(**fields)
+
+
+def randomise_norms(module: torch.nn.Module) -> None:
+    """Non-trivial norm scales, so that a wrong norm cannot hide."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and "indexer" not in name:
+                p.uniform_(-0.5, 0.5)
+            elif "indexer" in name and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Step5Model:
+    torch.manual_seed(seed)
+    model = Step5Model(tiny_config(**overrides))
+    randomise_norms(model)
+    return model
+
+
+def token_ids(batch: int = 2, length: int = SEQUENCE, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def packed_positions(documents: list[list[int]], length: int = SEQUENCE):
+    """Per row: back-to-back documents of the given lengths, then padding up to `length`."""
+    positions = torch.zeros(len(documents), length, dtype=torch.int64)
+    padding = torch.ones(len(documents), length, dtype=torch.bool)
+    for row, lengths in enumerate(documents):
+        pieces = torch.cat([torch.arange(n) for n in lengths])
+        positions[row, : pieces.numel()] = pieces
+        padding[row, : pieces.numel()] = False
+    return positions, padding
+
+
+# Row 0: a long document (sparse queries), then a short one. Row 1: two documents, a padding tail.
+DOCUMENTS = [[30, 18], [21, 16]]
+
+
+def hidden_states(batch: int = 2, length: int = SEQUENCE, seed: int = 2) -> torch.Tensor:
+    return torch.randn(batch, length, 32, generator=torch.Generator().manual_seed(seed))
+
+
+# -- the reference, written out in float64 ----------------------------------------------------------
+
+
+def documents_and_regions(positions: torch.Tensor, padding: torch.Tensor, region: int):
+    """Document and region (numbered per row, restarting at every document) of every token."""
+    docs = torch.full_like(positions, -1)
+    regions = torch.full_like(positions, -1)
+    for b in range(positions.shape[0]):
+        doc = reg = -1
+        for t in range(positions.shape[1]):
+            if padding[b, t]:
+                continue
+            p = int(positions[b, t])
+            doc += p == 0
+            reg += p % region == 0
+            docs[b, t], regions[b, t] = doc, reg
+    return docs, regions
+
+
+def reference_mask(layer: Step5Attention, positions, padding, region_ids=None) -> torch.Tensor:
+    """bool [B, G, S, S]: the keys each query of each KV group attends to."""
+    b, s = positions.shape
+    groups = layer.config.num_attention_groups
+    docs, regions = documents_and_regions(
+        positions, padding, layer.config.sparse_config.region_size
+    )
+    q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    same = (docs[:, :, None] == docs[:, None, :]) & (docs >= 0)[:, :, None] & (k <= q)
+    if layer.layer_type == "swa":
+        return (same & (q - k < layer.config.sliding_window))[:, None].expand(b, groups, s, s)
+    if layer.layer_type == "dense":
+        return same[:, None].expand(b, groups, s, s)
+    chosen = (regions[:, None, None, :, None] == region_ids[:, :, :, None, :].long()).any(-1)
+    return chosen & same[:, None] & (regions >= 0)[:, None, None, :]
+
+
+def reference_attention(layer: Step5Attention, hidden, positions, padding, region_ids=None):
+    """The layer in float64: QKV, per-head norms, NeoX partial RoPE, masked softmax, gate, o_proj."""
+    cfg = layer.config
+    heads, groups, dim = cfg.num_attention_heads, cfg.num_attention_groups, cfg.head_dim
+    hpg = heads // groups
+    b, s, _ = hidden.shape
+    x = hidden.double()
+    qkv = (x @ layer.qkv_proj.weight.double().T).view(b, s, groups, hpg + 2, dim)
+
+    def norm(t, w):
+        rms = torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        return t * rms * (1 + w.double())
+
+    theta, rotary = layer.rotary_key
+    half = rotary // 2
+    angle = positions.double()[..., None] * theta ** (-torch.arange(0, rotary, 2).double() / rotary)
+    cos, sin = angle.cos()[:, :, None], angle.sin()[:, :, None]
+
+    def rope(t):
+        t1, t2 = t[..., :half], t[..., half:rotary]
+        return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin, t[..., rotary:]], dim=-1)
+
+    q = rope(norm(qkv[..., :hpg, :].reshape(b, s, heads, dim), layer.q_norm.weight))
+    k = rope(norm(qkv[..., hpg, :], layer.k_norm.weight)).repeat_interleave(hpg, dim=2)
+    v = qkv[..., hpg + 1, :].repeat_interleave(hpg, dim=2)
+    mask = reference_mask(layer, positions, padding, region_ids).repeat_interleave(hpg, dim=1)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * dim**-0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    gate = torch.sigmoid(x @ layer.g_proj.weight.double().T)[..., None]
+    return (out * gate).flatten(-2) @ layer.o_proj.weight.double().T
+
+
+def capture_selections(model_or_layer) -> list:
+    seen: list = []
+    for indexer in (
+        model_or_layer.indexers()
+        if isinstance(model_or_layer, Step5Model)
+        else [model_or_layer.indexer]
+    ):
+        indexer.register_forward_hook(lambda _m, _i, out: seen.append(out.region_ids))
+    return seen
+
+
+def layer_of(kind: str, **overrides) -> tuple[Step5Attention, Step5Config]:
+    """Layer 3 of a model whose layers are all `kind` (RoPE θ 1000, a quarter of each head rotated)."""
+    config = tiny_config(layer_types=(kind,) * 4, **overrides)
+    torch.manual_seed(0)
+    layer = Step5Attention(config, 3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    randomise_norms(layer)
+    return layer, config
+
+
+# -- each layer type against the reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["swa", "dense", "csa"])
+def test_layer_output_and_input_gradient_equal_the_float64_reference(kind):
+    layer, config = layer_of(kind)
+    seen = capture_selections(layer) if kind == "csa" else []
+    positions, padding = packed_positions(DOCUMENTS)
+    batch = Step5Batch.create(config, token_ids(), positions, padding)
+    x = hidden_states().requires_grad_(True)
+    out = layer(x, batch)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * weight).sum().backward()
+    ids = seen[0] if seen else None
+    x64 = hidden_states().double().requires_grad_(True)
+    expected = reference_attention(layer, x64, positions, padding, ids)
+    (expected * weight.double()).sum().backward()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    assert out[1, 37:].abs().max() == 0  # padding tail
+
+
+def test_csa_selection_is_every_region_for_dense_prefix_queries_and_topk_plus_current_past_it():
+    layer, config = layer_of("csa")
+    seen = capture_selections(layer)
+    positions, padding = packed_positions(DOCUMENTS)
+    batch = Step5Batch.create(config, token_ids(), positions, padding)
+    layer(hidden_states(), batch)
+    (ids,) = seen
+    docs, regions = documents_and_regions(positions, padding, REGION)
+    sparse = batch.sparse_metadata.sparse_queries
+    assert sparse.any() and (~sparse & ~padding).any()
+    for b in range(2):
+        for q in range(SEQUENCE):
+            if padding[b, q]:
+                assert (ids[b, :, q] == batch.sparse_metadata.region_count).all()
+                continue
+            history = regions[b, : q + 1][docs[b, : q + 1] == docs[b, q]].unique().tolist()
+            for g in range(2):
+                chosen = [
+                    r for r in ids[b, g, q].tolist() if r < batch.sparse_metadata.region_count
+                ]
+                if positions[b, q] < (TOPK + 1) * REGION:
+                    assert chosen == history
+                else:
+                    assert len(chosen) == TOPK + 1 and chosen[-1] == regions[b, q]
+                    assert set(chosen) <= set(history)
+    # the two KV groups route differently somewhere
+    assert not torch.equal(ids[:, 0], ids[:, 1])
+
+
+def test_swa_output_of_a_query_moves_only_with_tokens_in_its_window_and_document():
+    layer, config = layer_of("swa")
+    positions, padding = packed_positions([[30, 18]])
+    batch = Step5Batch.create(config, token_ids(1), positions, padding)
+    x = hidden_states(1)
+    base = layer(x, batch)
+    docs, _ = documents_and_regions(positions, padding, REGION)
+    for t in (0, 5, 22, 29, 30, 31, 40):
+        moved = x.clone()
+        moved[0, t] += 1.0
+        changed = (layer(moved, batch) - base).abs().amax(-1)[0] > 0
+        q = torch.arange(SEQUENCE)
+        expected = (docs[0] == docs[0, t]) & (q >= t) & (q - t < WINDOW)
+        assert torch.equal(changed, expected), t
+
+
+def test_padding_rows_equal_their_unpadded_prefix_for_every_layer_type():
+    for kind in ("swa", "csa", "dense"):
+        model = tiny_model(layer_types=(kind,) * 4)
+        ids = token_ids()
+        padding = torch.zeros(2, SEQUENCE, dtype=torch.bool)
+        padding[1, 29:] = True
+        full = model(ids, padding_mask=padding).logits
+        alone = model(ids[1:, :29]).logits
+        torch.testing.assert_close(full[1, :29], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_documents_equal_each_document_alone():
+    model = tiny_model()
+    ids = token_ids(1)
+    positions, padding = packed_positions([[30, 18]])
+    packed = model(ids, positions, padding).logits
+    first = model(ids[:, :30]).logits
+    second = model(ids[:, 30:]).logits
+    torch.testing.assert_close(packed[:, :30], first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, 30:], second, rtol=1e-5, atol=1e-5)
+
+
+def test_window_attention_on_one_rank_equals_a_window_as_large_as_the_sequence_when_dense():
+    swa, config = layer_of("swa", sliding_window=SEQUENCE)
+    dense = Step5Attention(tiny_config(layer_types=("dense",) * 4, sliding_window=SEQUENCE), 3)
+    dense.load_state_dict(swa.state_dict())
+    positions, padding = packed_positions(DOCUMENTS)
+    batch = Step5Batch.create(config, token_ids(), positions, padding)
+    x = hidden_states()
+    torch.testing.assert_close(swa(x, batch), dense(x, batch), rtol=1e-6, atol=1e-6)
+
+
+# -- the decoder layer: FP32 residual ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mlp", "moe"])
+def test_decoder_layer_adds_bf16_branches_to_an_fp32_residual(moe):
+    config = tiny_config(
+        moe_layers=(1,) if moe else (),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    torch.manual_seed(0)
+    layer = Step5DecoderLayer(config, 1, torch.bfloat16)
+    randomise_norms(layer)
+    assert isinstance(layer.mlp, Step5MoE) == moe
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    batch = Step5Batch.create(config, token_ids())
+    # 1000 + x: below BF16 resolution at 1000, so a BF16 residual would lose x entirely
+    residual = 1000.0 + hidden_states()
+    out = layer(residual, batch)
+    normed = layer.input_layernorm(residual)
+    assert out.dtype == torch.float32 and normed.dtype == torch.bfloat16
+    middle = residual + layer.self_attn(normed, batch)
+    expected = middle + layer.mlp(layer.post_attention_layernorm(middle))
+    assert torch.equal(out, expected)
+    assert (out - residual).abs().max() < 100  # the residual's own digits survive
+
+
+def test_bf16_model_keeps_fp32_norms_router_and_indexer_weights_and_runs():
+    model = copy.deepcopy(tiny_model(moe_layers=(0,), num_experts=4, moe_intermediate_size=16)).to(
+        torch.bfloat16
+    )
+    assert model.norm.weight.dtype == torch.float32 and model.norm.output_dtype == torch.bfloat16
+    indexer = model.indexers()[0]
+    assert indexer.w_proj.weight.dtype == indexer.q_norm.weight.dtype == torch.float32
+    assert indexer.q_proj.weight.dtype == torch.bfloat16
+    assert model.layers[0].mlp.router.weight.dtype == torch.float32
+    out = model(token_ids(), labels=token_ids(seed=3))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+
+
+# -- replay under activation checkpointing ---------------------------------------------------------
+
+
+def _recompute_everything_but_matmuls(ctx, op, *args, **kwargs):
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.mm.default
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def train_step(mode: str, reuse: bool = True):
+    model = tiny_model(
+        reuse_routes_on_recompute=reuse,
+        layer_types=("swa", "csa", "swa", "csa"),
+        moe_layers=(2,),
+        num_experts=4,
+        moe_intermediate_size=16,
+    )
+    calls = [0]
+    for indexer in model.indexers():
+        indexer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    if mode == "full":
+        model.enable_activation_checkpointing()
+    elif mode == "selective":
+        model.enable_activation_checkpointing(
+            functools.partial(
+                create_selective_checkpoint_contexts, _recompute_everything_but_matmuls
+            )
+        )
+    positions, padding = packed_positions(DOCUMENTS)
+    loss = model(token_ids(), positions, padding, labels=token_ids(seed=7)).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad], calls[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_bitwise_equal(mode):
+    ref_loss, ref_grads, ref_calls = train_step("none")
+    loss, grads, calls = train_step(mode)
+    assert ref_calls == calls == 2  # two CSA layers, one indexer call each
+    assert torch.equal(loss, ref_loss)
+    assert len(grads) == len(ref_grads)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_without_route_reuse_the_recompute_runs_the_indexer_again():
+    _, _, calls = train_step("full", reuse=False)
+    assert calls == 4
+
+
+# -- context parallelism on gloo ranks -------------------------------------------------------------
+
+
+def _sharded(rank, world_size, model, ids, positions, padding, labels):
+    local = ids.shape[1] // world_size
+    rows = slice(rank * local, (rank + 1) * local)
+    seen = capture_selections(model)
+    out = model(
+        ids[:, rows],
+        positions[:, rows],
+        padding[:, rows],
+        labels[:, rows],
+        cp_group=dist.group.WORLD,
+    )
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return out.logits.detach(), out.loss.detach(), grads, seen[0]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "window"),
+    [(2, WINDOW), (4, WINDOW), (4, 16)],
+    ids=["2ranks-halo", "4ranks-halo", "4ranks-window-past-a-shard"],
+)
+def test_context_parallel_shards_equal_the_single_rank_model(world_size, window):
+    model = tiny_model(sliding_window=window, layer_types=("swa", "dense", "swa", "csa"))
+    ids, labels = token_ids(), token_ids(seed=8)
+    positions, padding = packed_positions(DOCUMENTS)
+    seen = capture_selections(model)
+    expected = model(ids, positions, padding, labels)
+    expected.loss.backward()
+    ref_grads = [p.grad for p in model.parameters() if p.requires_grad]
+    fresh = tiny_model(sliding_window=window, layer_types=("swa", "dense", "swa", "csa"))
+    results = run_on_ranks(world_size, _sharded, fresh, ids, positions, padding, labels)
+    local = SEQUENCE // world_size
+    for rank, (logits, _, _, ids_rank) in enumerate(results):
+        rows = slice(rank * local, (rank + 1) * local)
+        torch.testing.assert_close(logits, expected.logits[:, rows].detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(ids_rank, seen[0][:, :, rows])
+    torch.testing.assert_close(sum(r[1] for r in results) / world_size, expected.loss.detach())
+    for i, ref in enumerate(ref_grads):
+        total = sum(r[2][i] for r in results) / world_size
+        torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
+
+
+# -- training and checkpoints ------------------------------------------------------------------------
+
+
+def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
+    model = tiny_model(moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
+    assert model.config.layer_types == ("swa", "swa", "swa", "csa")
+    ids = token_ids(4, SEQUENCE, seed=9)
+    labels = torch.roll(ids, -1, dims=1)  # learn to predict the next token of fixed sequences
+    labels[:, -1] = -100
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = model(ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    assert any(k.endswith("indexer.q_proj.weight") for k in model.state_dict())
+    fresh = tiny_model(seed=123, moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    assert torch.equal(fresh(ids).logits, model(ids).logits)
+    assert all(not p.requires_grad for ix in fresh.indexers() for p in ix.parameters())
+
+
+# -- errors at the boundary ------------------------------------------------------------------------
+
+
+def _positions(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(input_ids=torch.zeros(2, 8)), TypeError, "input_ids must be an integer tensor"),
+        (
+            dict(positions=torch.zeros(2, 8, dtype=torch.int32)),
+            TypeError,
+            "positions must be a torch.int64 tensor",
+        ),
+        (
+            dict(positions=torch.zeros(2, 7, dtype=torch.int64)),
+            ValueError,
+            "positions must have input_ids' shape",
+        ),
+        (
+            dict(positions=_positions([[0, 1, 2, -3, 4, 5, 6, 7]] * 2)),
+            ValueError,
+            "positions of valid tokens must be >= 0",
+        ),
+        (
+            dict(positions=_positions([[1, 2, 3, 4, 5, 6, 7, 8]] * 2)),
+            ValueError,
+            "positions must start every document at 0",
+        ),
+        (dict(positions=_positions([[0, 1, 2, 4, 5, 6, 7, 8]] * 2)), ValueError, "count up by one"),
+        (
+            dict(padding_mask=torch.zeros(2, 8, dtype=torch.long)),
+            TypeError,
+            "padding_mask must be a torch.bool tensor",
+        ),
+        (
+            dict(padding_mask=torch.tensor([[True] + [False] * 7] * 2)),
+            ValueError,
+            "padding_mask must mark padding only after the valid tokens",
+        ),
+        (
+            dict(labels=torch.zeros(2, 7, dtype=torch.long)),
+            ValueError,
+            "labels must be an integer tensor shaped like input_ids",
+        ),
+        (
+            dict(cp_group=ContextParallelLayout(0, 2, 12, 6)),
+            ValueError,
+            "cp_group.local_length \\(6\\) must be the tokens per row",
+        ),
+        (
+            dict(cp_group="ranks"),
+            TypeError,
+            "cp_group must be None, a torch.distributed ProcessGroup",
+        ),
+    ],
+    ids=[
+        "float-ids",
+        "int32-positions",
+        "positions-shape",
+        "negative-position",
+        "document-not-at-0",
+        "position-gap",
+        "int-padding",
+        "padding-first",
+        "labels-shape",
+        "cp-length",
+        "cp-type",
+    ],
+)
+def test_bad_batches_raise_naming_the_argument(kwargs, error, match):
+    model = tiny_model()
+    kwargs = {"input_ids": torch.zeros(2, 8, dtype=torch.long), **kwargs}
+    with pytest.raises(error, match=match):
+        model(**kwargs)
+
+
+def test_a_cp_shard_that_is_not_a_multiple_of_the_region_size_is_rejected():
+    model = tiny_model()
+    cp = ContextParallelLayout(0, 2, 14, 7)  # planned without a process group
+    with pytest.raises(
+        ValueError,
+        match=r"local length \(7\) must be a multiple of sparse_config.region_size \(4\)",
+    ):
+        model(torch.zeros(1, 7, dtype=torch.long), cp_group=cp)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (
+            dict(num_attention_heads=5),
+            "num_attention_heads \\(5\\) must be a multiple of num_attention_groups",
+        ),
+        (dict(layer_types=("swa", "qsa", "swa", "csa")), "layer_types must be one of"),
+        (dict(layer_types=("swa",)), "layer_types must hold num_hidden_layers=4"),
+        (dict(attn_backend="magic"), "attn_backend must be one of"),
+        (dict(partial_rotary_factor=0.3125), "partial_rotary_factor of layer 0"),
+        (dict(rope_theta=(1.0, 2.0)), "rope_theta must hold num_hidden_layers=4"),
+        (dict(swiglu_limits="big"), "swiglu_limits must be a float or a sequence"),
+        (dict(moe_layers=(4,)), "moe_layers must be distinct layer indices in \\[0, 4\\)"),
+        (
+            dict(moe_layers=(1,), num_experts_per_tok=9),
+            "num_experts_per_tok \\(9\\) must be <= num_experts",
+        ),
+        (
+            dict(hidden_size=64),
+            "sparse_config.hidden_size \\(32\\) must equal hidden_size \\(64\\)",
+        ),
+        (
+            dict(num_attention_groups=4),
+            "sparse_config.num_provider_groups \\(2\\) must equal num_attention_groups \\(4\\)",
+        ),
+        (dict(sliding_window=0), "sliding_window must be a positive int"),
+        (dict(sparse=dict(rope_theta=(1.0, 2.0))), "per-layer sparse_config.rope_theta must hold"),
+    ],
+    ids=[
+        "heads",
+        "layer-type",
+        "layer-count",
+        "backend",
+        "rotary",
+        "theta-count",
+        "limits",
+        "moe-index",
+        "moe-topk",
+        "sparse-width",
+        "sparse-groups",
+        "window",
+        "sparse-theta",
+    ],
+)
+def test_bad_configs_raise_at_construction_naming_the_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**overrides)
+
+
+def test_default_layer_pattern_is_csa_on_every_fourth_layer():
+    config = tiny_config(
+        num_hidden_layers=8, rope_theta=1e4, partial_rotary_factor=0.5, swiglu_limits=0.0
+    )
+    assert config.layer_types == ("swa", "swa", "swa", "csa") * 2
+    assert config.csa_layers == (3, 7)
