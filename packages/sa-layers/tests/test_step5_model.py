@@ -11,6 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
+from sa_kernels.backend import triton_interpret
 from sa_layers import Step5Attention, Step5Batch, Step5Config, Step5DecoderLayer, Step5Model
 from sa_layers.moe import Step5MoE
 from sa_routing import Step5SparseConfig
@@ -185,9 +186,24 @@ def layer_of(kind: str, **overrides) -> tuple[Step5Attention, Step5Config]:
 # -- each layer type against the reference ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["swa", "dense", "csa"])
-def test_layer_output_and_input_gradient_equal_the_float64_reference(kind):
-    layer, config = layer_of(kind)
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [
+        ("swa", "reference"),
+        ("dense", "reference"),
+        ("csa", "reference"),
+        pytest.param(
+            "csa",
+            "gather",
+            marks=pytest.mark.skipif(
+                not triton_interpret(), reason="the gather kernels need TRITON_INTERPRET=1 on CPU"
+            ),
+        ),
+    ],
+    ids=["swa", "dense", "csa", "csa-gather"],
+)
+def test_layer_output_and_input_gradient_equal_the_float64_reference(kind, backend):
+    layer, config = layer_of(kind, attn_backend=backend)
     seen = capture_selections(layer) if kind == "csa" else []
     positions, padding = packed_positions(DOCUMENTS)
     batch = Step5Batch.create(config, token_ids(), positions, padding)
@@ -424,7 +440,7 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, window)
 def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
     model = tiny_model(moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
     assert model.config.layer_types == ("swa", "swa", "swa", "csa")
-    ids = token_ids(4, SEQUENCE, seed=9)
+    ids = token_ids(2, SEQUENCE, seed=9)
     labels = torch.roll(ids, -1, dims=1)  # learn to predict the next token of fixed sequences
     labels[:, -1] = -100
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -590,3 +606,16 @@ def test_default_layer_pattern_is_csa_on_every_fourth_layer():
     )
     assert config.layer_types == ("swa", "swa", "swa", "csa") * 2
     assert config.csa_layers == (3, 7)
+
+
+def test_setup_cp_attention_takes_a_mesh_group_and_refuses_a_batch_of_another_group():
+    layer, config = layer_of("swa")
+
+    class Mesh:  # a 1-D DeviceMesh's interface
+        def get_group(self):
+            return "cp-group"
+
+    layer.setup_cp_attention(Mesh())
+    assert layer.cp_group == "cp-group"
+    with pytest.raises(ValueError, match="another context-parallel group"):
+        layer(hidden_states(), Step5Batch.create(config, token_ids()))
