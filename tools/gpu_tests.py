@@ -173,9 +173,15 @@ def main() -> int:
         report["benchmarks"].append(result)
         code = code or result["returncode"]
         if result["returncode"] == 0:
-            areas = records(name, result["rows"])
-            written = write_records(results, name, result["command"], report["environment"], areas)
-            result["record_files"] = [str(p) for p in written]
+            try:
+                areas = records(name, result["rows"])
+                env = report["environment"]
+                written = write_records(results, name, result["command"], env, areas)
+            except (KeyError, ValueError) as error:  # the other benchmarks still run
+                print(f"bench {name}: its rows did not become record files: {error!r}")
+                result["returncode"] = code = code or 1
+            else:
+                result["record_files"] = [str(p) for p in written]
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
