@@ -6,10 +6,10 @@ from torch.nn import functional as F
 
 from sa_cp import RecomputeReplay, gather_sequence
 from sa_kernels import sparse_gqa_attention
-from sa_routing import QSAIndexer, apply_qsa_rope
+from sa_routing import QSAIndexer, apply_qsa_rope, qsa_indexer_distillation_loss
 
 from ..norm import ZeroCenteredRMSNorm
-from ..routes import TokenRoutes, token_routes
+from ..routes import INDEXER_TRAINING, TokenRoutes, token_routes
 from .config import QSAConfig
 from .layout import QSABatch
 
@@ -22,6 +22,12 @@ class QSAAttention(nn.Module):
     `q_norm` / `k_norm` [head_dim] (FP32); "qsa" layers also hold the frozen `indexer`.
     Routes are chosen once per call on the `routes` replay channel (`RecomputeReplay`), so activation
     checkpointing with `QSAModel.checkpoint_context_fn()` replays them in the recompute.
+
+    `indexer_training` (set by `QSAModel.set_indexer_training`): "off" routes with the frozen
+    indexer; "dense_warmup" attends densely (causal) and returns the indexer's distillation loss over
+    every visible block; "sparse" attends over the routes and returns the loss over the selected
+    blocks. The loss reads the attention's query and key without gradient and the hidden states
+    detached, so it trains only the indexer.
     """
 
     def __init__(self, config: QSAConfig, layer_idx: int) -> None:
@@ -52,9 +58,13 @@ class QSAAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(dim, config.rms_norm_eps)
         self.indexer = QSAIndexer(config.indexer) if self.layer_type == "qsa" else None
         self.routes: RecomputeReplay[TokenRoutes] = RecomputeReplay(f"qsa-routes-{layer_idx}")
+        self.indexer_training = "off"
 
-    def forward(self, hidden: torch.Tensor, batch: QSABatch) -> torch.Tensor:
-        """hidden: [batch, local_length, hidden_size] → [batch, local_length, hidden_size]."""
+    def forward(
+        self, hidden: torch.Tensor, batch: QSABatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [batch, local_length, hidden_size] → (output [batch, local_length, hidden_size],
+        the indexer's FP32 distillation loss, or None when indexer training is off)."""
         heads, kv_heads, dim = (
             self.config.num_attention_heads,
             self.config.num_key_value_heads,
@@ -70,19 +80,51 @@ class QSAAttention(nn.Module):
         value = self.v_proj(hidden).view(b, s, kv_heads, dim)
         key = gather_sequence(key, batch.cp.group)
         value = gather_sequence(value, batch.cp.group)
-        if self.indexer is None:
+        mode = "off" if self.indexer is None else self.indexer_training
+        routes = None
+        if self.indexer is None or mode == "dense_warmup":
             out = dense_causal_attention(query, key, value, batch)
         else:
             routes = self.select_routes(hidden, batch, key.shape[1])
+            ids, mask = routes.token_ids, routes.block_mask
             out = sparse_gqa_attention(
-                query,
-                key,
-                value,
-                routes.token_ids,
-                block_mask=routes.block_mask,
-                backend=self.backend,
+                query, key, value, ids, block_mask=mask, backend=self.backend
             )
-        return self.o_proj((torch.sigmoid(gate) * out).flatten(-2))
+        aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
+        return self.o_proj((torch.sigmoid(gate) * out).flatten(-2)), aux
+
+    def indexer_loss(
+        self,
+        hidden: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        batch: QSABatch,
+        mode: str,
+        routes: TokenRoutes | None,
+    ) -> torch.Tensor:
+        """The indexer's KL distillation loss (`sa_routing.qsa_indexer_distillation_loss`) as this
+        shard's share of the global mean over sparse queries (`QSABatch.sparse_query_count`)."""
+        if mode not in INDEXER_TRAINING[1:]:
+            raise ValueError(
+                f"QSAAttention: indexer_training must be one of {INDEXER_TRAINING}; got {mode!r}"
+            )
+        cfg, cp = self.config.indexer, batch.cp
+        freqs = batch.freqs.expand(hidden.shape[0], -1, -1)
+        total = qsa_indexer_distillation_loss(
+            query,
+            key,
+            self.indexer.training_queries(hidden, freqs),
+            self.indexer.training_keys(hidden, freqs, cp_context=cp),
+            token_budget=cfg.indexer_budget,
+            compress_ratio=cfg.indexer_compress_ratio,
+            mode=mode,
+            routes=None if routes is None else routes.token_ids,
+            sequence_lengths=cp.sequence_lengths,
+            cu_seqlens=cp.cu_seqlens,
+            query_start=cp.local_start,
+            reduction="sum",
+        )
+        return total * cp.size / max(1, batch.sparse_query_count(cfg.dense_positions))
 
     @torch.compiler.disable
     def select_routes(self, hidden: torch.Tensor, batch: QSABatch, kv_length: int) -> TokenRoutes:

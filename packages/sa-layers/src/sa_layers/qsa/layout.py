@@ -43,6 +43,16 @@ class QSABatch:
         start = self.cp.local_start
         return self.key_documents[:, start : start + self.cp.local_length]
 
+    def sparse_query_count(self, dense_positions: int) -> int:
+        """Queries of the whole (global) batch past the dense prefix of their document: those that
+        carry an indexer loss. From host lengths, no sync."""
+        cp = self.cp
+        if cp.cu_seqlens is not None:
+            lengths = [b - a for a, b in itertools.pairwise(cp.cu_seqlens)]
+        else:
+            lengths = cp.sequence_lengths or (cp.global_length,) * self.batch_size
+        return sum(max(0, n - dense_positions) for n in lengths)
+
     @classmethod
     def create(
         cls,

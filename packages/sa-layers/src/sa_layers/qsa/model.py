@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from sa_routing import QSAContextParallel
 
 from ..mlp import ClampedSwiGLUMLP
 from ..norm import ZeroCenteredRMSNorm
+from ..routes import INDEXER_TRAINING
 from .attention import QSAAttention
 from .config import QSAConfig
 from .layout import QSABatch
@@ -49,9 +51,13 @@ class QSADecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = ClampedSwiGLUMLP(config.hidden_size, config.intermediate_size, limit=0.0)
 
-    def forward(self, hidden: torch.Tensor, batch: QSABatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, batch: QSABatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (hidden, the attention's indexer loss or None)."""
+        attn, indexer_loss = self.self_attn(self.input_layernorm(hidden), batch)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), indexer_loss
 
 
 class QSAModel(nn.Module):
@@ -97,6 +103,71 @@ class QSAModel(nn.Module):
         return [
             layer.self_attn.indexer for layer in self.layers if layer.self_attn.indexer is not None
         ]
+
+    # -- indexer training --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_indexers(self, std: float | None = None) -> None:
+        """Fresh indexers (normal(0, std) projections, unit norms): the first step of sparsifying a
+        model whose layers were trained dense (the state dict keeps every other weight)."""
+        for indexer in self.indexers():
+            indexer.init_weights(self.config.initializer_range if std is None else std)
+
+    @classmethod
+    def sparsify(
+        cls,
+        dense: QSAModel,
+        layer_types: tuple[str, ...] | None = None,
+        indexer_std: float | None = None,
+    ) -> QSAModel:
+        """A QSA model with the weights of `dense` (a model whose layers were trained dense) and
+        fresh indexers on the routed layers.
+
+        Args:
+            dense: the trained model; its config is kept except `layer_types`.
+            layer_types: the new model's layer types; default every layer "qsa".
+            indexer_std: std of the fresh indexers' projections (default `initializer_range`).
+        Returns:
+            A new `QSAModel` on `dense`'s device and dtype whose every non-indexer weight equals
+            `dense`'s. Then `set_indexer_training("dense_warmup")`, then `"sparse"`.
+        """
+        types = ("qsa",) * dense.config.num_hidden_layers if layer_types is None else layer_types
+        config = dataclasses.replace(dense.config, layer_types=tuple(types))
+        reference = next(dense.parameters())
+        model = cls(config).to(device=reference.device)
+        model.to(dtype=dense.embed_tokens.weight.dtype)
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in dense.state_dict().items() if ".indexer." not in k}, strict=False
+        )
+        if unexpected or any(".indexer." not in k for k in missing):
+            raise ValueError(
+                f"QSAModel.sparsify: the dense model's weights do not fit; missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+        model.init_indexers(indexer_std)
+        return model
+
+    def set_indexer_training(self, mode: str) -> None:
+        """Switch the indexer training stage of every QSA layer (`routes.INDEXER_TRAINING`).
+
+        "off": indexers frozen, the rest trainable (plain training). "dense_warmup": dense attention,
+        only the indexers trainable (everything else frozen). "sparse": sparse attention, everything
+        trainable; the indexers learn only from the distillation loss (`CausalLMOutput.indexer_loss`,
+        which the caller scales and adds), the rest only from the LM loss. Route replay under
+        checkpointing stays on in every stage.
+        """
+        if mode not in INDEXER_TRAINING:
+            raise ValueError(
+                f"QSAModel.set_indexer_training: mode must be one of {INDEXER_TRAINING}; got {mode!r}"
+            )
+        indexers = {id(p) for ix in self.indexers() for p in ix.parameters()}
+        for p in self.parameters():
+            is_indexer = id(p) in indexers
+            p.requires_grad_(
+                {"off": not is_indexer, "dense_warmup": is_indexer, "sparse": True}[mode]
+            )
+        for layer in self.layers:
+            layer.self_attn.indexer_training = mode
 
     # -- activation checkpointing ----------------------------------------------------------------
 
@@ -177,19 +248,21 @@ class QSAModel(nn.Module):
                 f"{tuple(input_ids.shape)}; got {got}"
             )
         hidden = self.embed_tokens(input_ids)
+        context = (
+            {} if self._checkpoint_context is None else {"context_fn": self._checkpoint_context}
+        )
+        indexer_losses = []
         for layer in self.layers:
             if self._checkpointing and torch.is_grad_enabled():
-                kwargs = (
-                    {}
-                    if self._checkpoint_context is None
-                    else {"context_fn": self._checkpoint_context}
-                )
-                hidden = checkpoint(layer, hidden, batch, use_reentrant=False, **kwargs)
+                hidden, aux = checkpoint(layer, hidden, batch, use_reentrant=False, **context)
             else:
-                hidden = layer(hidden, batch)
+                hidden, aux = layer(hidden, batch)
+            if aux is not None:
+                indexer_losses.append(aux)
         logits = self.lm_head(self.norm(hidden))
         loss = None if labels is None else language_model_loss(logits, labels, batch)
-        return CausalLMOutput(logits, loss)
+        indexer_loss = torch.stack(indexer_losses).sum() if indexer_losses else None
+        return CausalLMOutput(logits, loss, indexer_loss)
 
 
 def language_model_loss(

@@ -1,0 +1,74 @@
+"""The demo's synthetic long-context retrieval task: find the value of the key asked at the end.
+
+A sequence is filler tokens with `pairs` key–value facts scattered through it (one token each, keys
+distinct); its last `questions` tokens ask for one of the keys, and the label at each of them is
+that key's value. A model
+answers only by attending from the last position to the fact (the *needle*) far back in the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FILLER = 32
+KEYS = 8
+VALUES = 8
+
+
+@dataclass(frozen=True)
+class RetrievalBatch:
+    """input_ids, labels: int64 [batch, seq_len] (labels −100 except the question positions);
+    answers: int64 [batch] the value token; needles: int64 [batch] the position of the asked fact."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    answers: torch.Tensor
+    needles: torch.Tensor
+
+
+class RetrievalTask:
+    """Token layout: `[0, FILLER)` filler, then KEYS·VALUES fact tokens `fact(k, v)`, then KEYS
+    question tokens `ask(k)`, then VALUES answer tokens `answer(v)`."""
+
+    vocab_size = FILLER + KEYS * VALUES + KEYS + VALUES
+
+    def __init__(self, seq_len: int, pairs: int = 1, seed: int = 0, questions: int = 16) -> None:
+        if seq_len < 2 * (pairs + questions):
+            raise ValueError(
+                f"RetrievalTask: seq_len must be >= {2 * (pairs + questions)}; got {seq_len}"
+            )
+        if not 1 <= pairs <= KEYS:
+            raise ValueError(f"RetrievalTask: pairs must be in [1, {KEYS}]; got {pairs}")
+        self.seq_len, self.pairs, self.questions = seq_len, pairs, questions
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @staticmethod
+    def fact(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return FILLER + key * VALUES + value
+
+    @staticmethod
+    def ask(key: torch.Tensor) -> torch.Tensor:
+        return FILLER + KEYS * VALUES + key
+
+    @staticmethod
+    def answer(value: torch.Tensor) -> torch.Tensor:
+        return FILLER + KEYS * VALUES + KEYS + value
+
+    def sample(self, batch: int) -> RetrievalBatch:
+        """A fresh batch drawn from the task's generator (deterministic for a seed)."""
+        g, s, n, asks = self.generator, self.seq_len, self.pairs, self.questions
+        ids = torch.randint(0, FILLER, (batch, s), generator=g)
+        keys = torch.rand(batch, KEYS, generator=g).argsort(dim=1)[:, :n]
+        values = torch.randint(0, VALUES, (batch, n), generator=g)
+        # fact positions: distinct, anywhere before the question
+        positions = torch.rand(batch, s - asks, generator=g).argsort(dim=1)[:, :n]
+        ids.scatter_(1, positions, self.fact(keys, values))
+        asked = torch.randint(0, n, (batch,), generator=g)
+        rows = torch.arange(batch)
+        ids[:, -asks:] = self.ask(keys[rows, asked])[:, None]
+        answers = self.answer(values[rows, asked])
+        labels = torch.full_like(ids, -100)
+        labels[:, -asks:] = answers[:, None]
+        return RetrievalBatch(ids, labels, answers, positions[rows, asked])

@@ -1,0 +1,190 @@
+"""The demo's staged recipe on the retrieval task: dense training, indexer warm-up, sparse training.
+
+1. **dense**: a model whose layers attend densely learns the task (LM loss on the answers), its
+   first three quarters of steps on sequences of `seq_len // 4` tokens (retrieval learned there
+   carries over to the full length, and short sequences train several times faster).
+2. **warmup**: `QSAModel.sparsify` gives it fresh indexers; `set_indexer_training("dense_warmup")`
+   trains only them, by distillation from the dense attention.
+3. **sparse**: `set_indexer_training("sparse")`: attention over the routes, LM loss for the model,
+   distillation loss for the indexers.
+Evaluation runs the routed model with its indexers frozen ("off") on a fixed held-out batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..qsa import QSAConfig, QSAModel
+from .task import RetrievalBatch, RetrievalTask
+
+STAGES = ("dense", "warmup", "sparse")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What the demo trains. Steps are per stage; `budget` is the indexer's token budget."""
+
+    seq_len: int = 512
+    steps: tuple[int, int, int] = (240, 60, 40)
+    pairs: int = 1
+    batch: int = 16
+    eval_batch: int = 64
+    eval_every: int = 20
+    hidden: int = 64
+    layers: int = 1
+    budget: int = 64
+    compress_ratio: int = 4
+    lr: float = 3e-3
+    device: str = "cpu"
+    seed: int = 0
+
+    def config(self, layer_type: str) -> QSAConfig:
+        return QSAConfig(
+            vocab_size=RetrievalTask.vocab_size,
+            hidden_size=self.hidden,
+            intermediate_size=2 * self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=self.hidden // 4,
+            partial_rotary_factor=0.5,
+            indexer_n_heads=2,
+            indexer_head_dim=self.hidden // 4,
+            indexer_budget=self.budget,
+            indexer_compress_ratio=self.compress_ratio,
+            attn_backend="auto",
+            initializer_range=0.05,
+            layer_types=(layer_type,) * self.layers,
+        )
+
+
+@dataclass
+class Evaluation:
+    """Answer accuracy; routing recall (the needle among the answer query's routed keys, mean over
+    routed layers); attended key fraction (routed pairs / causal pairs); the answer queries' routes
+    [layers, batch, W] of the first routed layer's batch, for the heatmap."""
+
+    accuracy: float
+    recall: float | None = None
+    key_fraction: float = 1.0
+    routes: torch.Tensor | None = None
+
+
+@dataclass
+class History:
+    """Per-step training curves and per-evaluation metrics, tagged with their stage."""
+
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+
+@torch.no_grad()
+def evaluate(model: QSAModel, batch: RetrievalBatch) -> Evaluation:
+    """Accuracy, recall and key fraction of `model` on `batch` with routing frozen."""
+    modes = [layer.self_attn.indexer_training for layer in model.layers]
+    routes: list[torch.Tensor] = []
+    hooks = [
+        ix.register_forward_hook(lambda _m, _i, out: routes.append(out)) for ix in model.indexers()
+    ]
+    for layer in model.layers:
+        layer.self_attn.indexer_training = "off"
+    try:
+        logits = model(batch.input_ids).logits[:, -1]
+    finally:
+        for layer, mode in zip(model.layers, modes, strict=True):
+            layer.self_attn.indexer_training = mode
+        for hook in hooks:
+            hook.remove()
+    accuracy = (logits.argmax(-1) == batch.answers).float().mean().item()
+    if not routes:
+        return Evaluation(accuracy)
+    last = torch.stack([r[:, -1] for r in routes])  # [layers, batch, W]
+    recall = (last == batch.needles[None, :, None]).any(-1).float().mean().item()
+    length = batch.input_ids.shape[1]
+    routed = sum((r >= 0).sum().item() for r in routes) / len(routes)
+    causal = batch.input_ids.shape[0] * length * (length + 1) / 2
+    return Evaluation(accuracy, recall, routed / causal, last)
+
+
+def attention_flops(settings: DemoSettings, key_fraction: float) -> float:
+    """Forward attention FLOPs per sequence (4 · head_dim per query head and attended key)."""
+    causal = settings.seq_len * (settings.seq_len + 1) / 2
+    return 4 * settings.hidden * causal * key_fraction * settings.layers
+
+
+def run(
+    settings: DemoSettings,
+    on_step: Callable[[str, dict], None] | None = None,
+) -> dict:
+    """Train the three stages; returns the metrics (JSON-ready) plus the models under "models".
+
+    `on_step(stage, record)` is called after every training step (the CLI's progress bar).
+    """
+    torch.manual_seed(settings.seed)
+    device = torch.device(settings.device)
+    short = RetrievalTask(
+        max(settings.seq_len // 4, 4 * settings.pairs), settings.pairs, settings.seed
+    )
+    task = RetrievalTask(settings.seq_len, settings.pairs, seed=settings.seed)
+    held_out = RetrievalTask(settings.seq_len, settings.pairs, settings.seed + 1).sample(
+        settings.eval_batch
+    )
+    held_out = RetrievalBatch(*(t.to(device) for t in vars(held_out).values()))
+    history = History()
+
+    dense = QSAModel(settings.config("dense")).to(device)
+    stages: dict[str, dict] = {}
+    model = dense
+    for stage, steps in zip(STAGES, settings.steps, strict=True):
+        if stage == "warmup":
+            model = QSAModel.sparsify(dense)
+            stages["random_indexer"] = vars(evaluate(model, held_out)) | {"routes": None}
+            model.set_indexer_training("dense_warmup")
+        elif stage == "sparse":
+            model.set_indexer_training("sparse")
+        params = [p for p in model.parameters() if p.requires_grad]
+        lr = settings.lr if stage != "sparse" else settings.lr / 3
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        tokens, elapsed = 0, 0.0
+        for step in range(steps):
+            curriculum = stage == "dense" and step < 3 * steps // 4
+            batch = (short if curriculum else task).sample(settings.batch)
+            ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+            start = time.perf_counter()
+            out = model(ids, labels=labels)
+            loss = out.loss if stage != "warmup" else out.indexer_loss
+            total = (
+                loss if out.indexer_loss is None or stage == "warmup" else loss + out.indexer_loss
+            )
+            optimizer.zero_grad(set_to_none=True)
+            total.backward()
+            optimizer.step()
+            elapsed += time.perf_counter() - start
+            tokens += ids.numel()
+            record = {
+                "stage": stage,
+                "step": len(history.steps),
+                "lm_loss": out.loss.item(),
+                "indexer_loss": None if out.indexer_loss is None else out.indexer_loss.item(),
+            }
+            if (step + 1) % settings.eval_every == 0 or step + 1 == steps:
+                ev = evaluate(model, held_out)
+                record |= {"accuracy": ev.accuracy, "recall": ev.recall}
+                history.evals.append(record)
+            history.steps.append(record)
+            if on_step is not None:
+                on_step(stage, record)
+        final = evaluate(model, held_out)
+        stages[stage] = vars(final) | {"routes": None, "tokens_per_s": tokens / max(elapsed, 1e-9)}
+        stages[stage]["_routes"] = final.routes
+    return {
+        "settings": vars(settings) | {"steps": list(settings.steps)},
+        "stages": stages,
+        "history": {"steps": history.steps, "evals": history.evals},
+        "needles": held_out.needles.tolist(),
+        "models": {"dense": dense, "sparse": model},
+    }
