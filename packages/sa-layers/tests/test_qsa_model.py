@@ -122,7 +122,7 @@ def test_qsa_layer_equals_dense_attention_over_the_routes_its_indexer_chose(back
     seen = capture_routes(layer)
     hidden = torch.randn(2, SEQUENCE, 32, generator=torch.Generator().manual_seed(2))
     batch = layout(model.config, token_ids())
-    out = layer(hidden, batch)
+    out, _ = layer(hidden, batch)
     (ids,) = seen
     sparse_rows = (ids[:, 9:] >= 0).sum(-1) < torch.arange(9, SEQUENCE) + 1
     assert sparse_rows.all()  # rows past the dense prefix really drop keys
@@ -145,7 +145,7 @@ def test_qsa_layer_equals_dense_causal_attention_up_to_budget_plus_ratio_minus_o
     outs, grads = [], []
     for layer in (qsa, dense):
         x = hidden.clone().requires_grad_(True)
-        out = layer(x, batch)
+        out, _ = layer(x, batch)
         out.square().sum().backward()
         outs.append(out)
         grads.append(
@@ -168,8 +168,8 @@ def test_right_padding_rows_equal_their_unpadded_sequence_and_padding_outputs_ze
     hidden = torch.randn(2, SEQUENCE, 32, generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, SEQUENCE, dtype=torch.long)
     mask[1, 27:] = 0
-    out = layer(hidden, layout(model.config, token_ids(), attention_mask=mask))
-    alone = layer(hidden[1:, :27], layout(model.config, token_ids(1, 27)))
+    out, _ = layer(hidden, layout(model.config, token_ids(), attention_mask=mask))
+    alone, _ = layer(hidden[1:, :27], layout(model.config, token_ids(1, 27)))
     torch.testing.assert_close(out[1, :27], alone[0], rtol=1e-5, atol=1e-6)
     assert out[1, 27:].abs().max() == 0
     for kind in ("qsa", "dense"):
@@ -187,12 +187,12 @@ def test_packed_documents_equal_each_document_alone_and_routes_stay_in_their_doc
     seen = capture_routes(model.layers[0].self_attn) if kind == "qsa" else []
     embeds = model.embed_tokens(ids).detach().requires_grad_(True)
     batch = layout(model.config, ids, cu_seqlens=torch.tensor(bounds))
-    packed = model.layers[0](embeds, batch)
+    packed, _ = model.layers[0](embeds, batch)
     weight = torch.randn(packed.shape, generator=torch.Generator().manual_seed(5))
     (packed * weight).sum().backward()
     for start, stop in itertools.pairwise(bounds):
         piece = embeds.detach()[:, start:stop].clone().requires_grad_(True)
-        alone = model.layers[0](piece, layout(model.config, ids[:, start:stop]))
+        alone, _ = model.layers[0](piece, layout(model.config, ids[:, start:stop]))
         (alone * weight[:, start:stop]).sum().backward()
         torch.testing.assert_close(packed[:, start:stop], alone, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(embeds.grad[:, start:stop], piece.grad, rtol=1e-4, atol=2e-5)

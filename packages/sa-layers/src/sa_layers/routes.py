@@ -13,6 +13,9 @@ import torch
 from sa_kernels import RouteBlockMask, build_route_block_mask
 
 ATTENTION_BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
+INDEXER_TRAINING = ("off", "dense_warmup", "sparse")
+"""Indexer training stages: frozen routing; a dense warm-up that trains only the indexers by
+distillation from dense attention; sparse training with the distillation loss on the selected units."""
 # What each backend needs of the route mask (`build_route_block_mask(build_flex=...)`): None builds
 # the tile statistics `auto` decides from, False a gather-only mask.
 _BUILD_FLEX = {"auto": None, "flex": True, "fa4": True, "gather": False}
