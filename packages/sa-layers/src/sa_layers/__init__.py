@@ -3,8 +3,8 @@
 from .mlp import ClampedSwiGLUMLP
 from .moe import Step5MLP, Step5MoE
 from .norm import Step5RMSNorm, ZeroCenteredRMSNorm
+from .output import CausalLMOutput
 from .qsa import (
-    CausalLMOutput,
     QSAAttention,
     QSABatch,
     QSAConfig,

@@ -1,4 +1,6 @@
-"""The language-model loss shared by the QSA and Step-5 models (aligned labels, CP scaling)."""
+"""What the QSA and Step-5 models return, and their language-model loss (aligned labels, CP scaling)."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -7,6 +9,23 @@ from torch.nn import functional as F
 from sa_cp import group_rank_and_size
 
 IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """What a model call returns.
+
+    Attributes:
+        logits: [batch, local_length, vocab_size] in the model's dtype.
+        loss: the mean next-token cross entropy over labelled tokens (FP32 scalar), or None
+            without labels (see `QSAModel.forward` for its meaning under context parallelism).
+        indexer_loss: the summed auxiliary losses of the routed layers while indexer training is
+            on, else None.
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None
 
 
 def language_model_loss(

@@ -3,10 +3,9 @@
 from .attention import QSAAttention, dense_causal_attention
 from .config import QSAConfig
 from .layout import QSABatch
-from .model import CausalLMOutput, QSADecoderLayer, QSAModel
+from .model import QSADecoderLayer, QSAModel
 
 __all__ = [
-    "CausalLMOutput",
     "QSAAttention",
     "QSABatch",
     "QSAConfig",

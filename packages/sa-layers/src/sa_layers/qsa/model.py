@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from sa_cp import checkpoint_context_fn
@@ -16,29 +13,11 @@ from sa_routing import QSAContextParallel
 
 from ..mlp import ClampedSwiGLUMLP
 from ..norm import ZeroCenteredRMSNorm
+from ..output import CausalLMOutput, language_model_loss
 from ..routes import INDEXER_TRAINING
 from .attention import QSAAttention
 from .config import QSAConfig
 from .layout import QSABatch
-
-IGNORE_INDEX = -100
-
-
-@dataclass
-class CausalLMOutput:
-    """What a model call returns.
-
-    Attributes:
-        logits: [batch, local_length, vocab_size] in the model's dtype.
-        loss: the mean next-token cross entropy over labelled tokens (FP32 scalar), or None
-            without labels (see `QSAModel.forward` for its meaning under context parallelism).
-        indexer_loss: the summed auxiliary losses of the routed layers while indexer training is
-            on, else None.
-    """
-
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
-    indexer_loss: torch.Tensor | None = None
 
 
 class QSADecoderLayer(nn.Module):
@@ -260,23 +239,8 @@ class QSAModel(nn.Module):
             if aux is not None:
                 indexer_losses.append(aux)
         logits = self.lm_head(self.norm(hidden))
-        loss = None if labels is None else language_model_loss(logits, labels, batch)
+        loss = None
+        if labels is not None:
+            loss = language_model_loss(logits, labels, batch.query_documents < 0, batch.cp.group)
         indexer_loss = torch.stack(indexer_losses).sum() if indexer_losses else None
         return CausalLMOutput(logits, loss, indexer_loss)
-
-
-def language_model_loss(
-    logits: torch.Tensor, labels: torch.Tensor, batch: QSABatch
-) -> torch.Tensor:
-    """FP32 cross entropy summed over the shard's labelled, non-padding tokens, divided by the global
-    count and multiplied by the CP group size (see `QSAModel.forward`)."""
-    targets = labels.masked_fill(batch.query_documents < 0, IGNORE_INDEX).long()
-    total = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    count = (targets != IGNORE_INDEX).sum()
-    cp = batch.cp
-    if cp.size > 1:
-        count = count.clone()
-        dist.all_reduce(count, group=cp.group)
-    return total * cp.size / count.clamp(min=1)

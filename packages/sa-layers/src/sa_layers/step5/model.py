@@ -13,8 +13,7 @@ from sa_routing import Step5IndexerLayerNorm, Step5IndexerRMSNorm, Step5IndexerW
 
 from ..moe import Step5MLP, Step5MoE, Step5RoutedExperts
 from ..norm import Step5RMSNorm, ZeroCenteredRMSNorm
-from ..output import language_model_loss
-from ..qsa.model import CausalLMOutput
+from ..output import CausalLMOutput, language_model_loss
 from .attention import Step5Attention
 from .config import Step5Config
 from .layout import Step5Batch
