@@ -126,9 +126,7 @@ def run(
     """
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
-    short = RetrievalTask(
-        max(settings.seq_len // 4, 4 * settings.pairs), settings.pairs, settings.seed
-    )
+    short = RetrievalTask(max(settings.seq_len // 4, 64), settings.pairs, settings.seed)
     task = RetrievalTask(settings.seq_len, settings.pairs, seed=settings.seed)
     held_out = RetrievalTask(settings.seq_len, settings.pairs, settings.seed + 1).sample(
         settings.eval_batch
