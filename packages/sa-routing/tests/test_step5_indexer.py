@@ -426,3 +426,18 @@ def test_indexer_at_32k_tokens_matches_the_oracle_on_cuda() -> None:
     )
     assert beyond_ties == []
     assert differing <= ids.shape[1] * ids.shape[2] // 1000
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 0), (0, 5)], ids=["B1-S0", "B0-S5"])
+def test_project_keys_of_an_empty_batch_or_sequence_keeps_the_shape(
+    batch: int, tokens: int
+) -> None:
+    indexer = make_indexer(SMALL)
+    hidden = torch.randn(batch, tokens, SMALL.hidden_size).to(torch.bfloat16)
+    positions = torch.zeros(batch, tokens, dtype=torch.int64)
+    keys, logits = indexer.project_keys(hidden, positions)
+    for t in (keys, logits):
+        assert t.shape == (batch, tokens, SMALL.proxy_dim)
+        assert t.dtype == torch.bfloat16
+    heads = torch.randn(batch, tokens, 3, SMALL.proxy_dim)  # middle dims broadcast as well
+    assert indexer.rotary(heads, positions).shape == heads.shape

@@ -78,9 +78,10 @@ class Step5IndexerRotaryEmbedding(nn.Module):
         if self.rope_dim == 0:
             return x
         cos, sin = self.cos_sin(positions)
-        middle = [1] * (x.dim() - 3)
+        # explicit sizes: a view with -1 is ambiguous when positions hold no element (B or S is 0)
+        half, middle = cos.shape[-1], [1] * (x.dim() - 3)
         return rotate_half_split_(
-            x, cos.view(*positions.shape, *middle, -1), sin.view(*positions.shape, *middle, -1)
+            x, cos.view(*positions.shape, *middle, half), sin.view(*positions.shape, *middle, half)
         )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
