@@ -56,7 +56,8 @@ def _rms_norm_fwd_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     x_rows = x_ptr + _row_offsets(rows, heads, stride_t, stride_h)
     x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / C + eps)
+    # eps arrives as fp64 when Inductor launches the kernel inside a compiled graph
+    rstd = 1.0 / tl.sqrt_rn((tl.sum(x * x, axis=1) / C + eps).to(tl.float32))
     w = _scale(w_ptr, cols[None, :], col_ok[None, :], x_ptr.dtype.element_ty, ZERO_CENTERED, W_ACT)
     y = x * rstd[:, None] * w
     y_rows = y_ptr + rows.to(tl.int64) * C
