@@ -186,12 +186,18 @@ def tflops_pairs(records: dict[str, dict]) -> list[tuple[str, float, float]]:
     return pairs
 
 
+def _regenerate(record: dict) -> str:
+    """The command that rewrites a record file: the benchmark runner, or the demo's converter."""
+    if record["benchmark"] == "demo":
+        return f"{record['command']} --out OUT && python tools/demo_record.py OUT/metrics.json"
+    return f"python tools/gpu_tests.py --no-tests --bench {record['benchmark']}"
+
+
 def section(area: str, record: dict, plots: list[str]) -> list[str]:
     lines = [
         f"## {_title(area)}",
         "",
-        f"- Measured with `{record['command']}`; regenerate with "
-        f"`python tools/gpu_tests.py --no-tests --bench {record['benchmark']}`.",
+        f"- Measured with `{record['command']}`; regenerate with `{_regenerate(record)}`.",
         f"- {_environment(record['environment'])}.",
         "",
         "| what | shape | ms | throughput | baseline | baseline ms | ratio | goal | status |",

@@ -62,7 +62,7 @@ def layer_rows(length: int) -> list[dict]:
     grad = torch.randn_like(hidden)
 
     def step(layer):
-        return lambda: layer(hidden, batch).backward(grad)
+        return lambda: layer(hidden, batch)[0].backward(grad)
 
     def route_prep():
         with torch.no_grad():
