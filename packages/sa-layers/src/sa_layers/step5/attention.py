@@ -14,9 +14,15 @@ from sa_cp import RecomputeReplay, gather_halo, gather_no_grad, gather_sequence
 from sa_kernels import grouped_rms_norm, sparse_region_attention
 from sa_kernels.sparse_region_attention import RegionBlockMask, build_region_block_mask
 from sa_kernels.sparse_region_attention.triton_kernels import MAX_HEAD_DIM
-from sa_routing import RegionMetadata, RegionSelection, Step5SparseIndexer
+from sa_routing import (
+    RegionMetadata,
+    RegionSelection,
+    Step5SparseIndexer,
+    csa_indexer_distillation_loss,
+)
 
 from ..norm import ZeroCenteredRMSNorm
+from ..routes import INDEXER_TRAINING
 from .config import Step5Config
 from .layout import Step5Batch
 
@@ -104,6 +110,13 @@ class Step5Attention(nn.Module):
     call on the `routes` replay channel, so checkpointing with `Step5Model.checkpoint_context_fn()`
     replays them (with their block mask) in the recompute.
 
+    `indexer_training` (CSA layers; set by `Step5Model.set_indexer_training`): "off" routes with the
+    frozen indexer; "dense_warmup" attends densely (causal within the document) and returns the
+    indexer's distillation loss over every historical region of the query's document; "sparse"
+    attends over the routes and returns the loss over the selected regions. The loss reads the
+    attention's query and key without gradient and the hidden states detached, so it trains only
+    the indexer.
+
     Args:
         config: the model's `Step5Config`.
         layer_idx: the layer (its type, RoPE and indexer RoPE base).
@@ -163,6 +176,7 @@ class Step5Attention(nn.Module):
         )
         self.routes: RecomputeReplay[RegionRoutes] = RecomputeReplay(f"step5-routes-{layer_idx}")
         self.cp_group = None
+        self.indexer_training = "off"
 
     def setup_cp_attention(self, cp_mesh_or_group) -> None:
         """Attach the context-parallel group (a process group, or a 1-D DeviceMesh's group); the
@@ -198,18 +212,28 @@ class Step5Attention(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor, batch: Step5Batch) -> torch.Tensor:
-        """hidden: [B, L, hidden_size] in the parameters' dtype → [B, L, hidden_size]."""
+    def forward(
+        self, hidden: torch.Tensor, batch: Step5Batch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [B, L, hidden_size] in the parameters' dtype → (output [B, L, hidden_size], the
+        indexer's FP32 distillation loss, or None when indexer training is off or the layer has no
+        indexer)."""
         self._check(hidden, batch)
         query, key, value = self.project(hidden, batch)
+        mode = "off" if self.indexer is None else self.indexer_training
+        routes = None
         if self.layer_type == "swa":
             out = self.window_attention(query, key, value, batch)
-        elif self.layer_type == "dense":
-            out = self.causal_attention(query, key, value, batch)
         else:
-            out = self.sparse_attention(hidden, query, key, value, batch)
+            key, value = self._gather_kv(key, value, batch)
+            if self.layer_type == "dense" or mode == "dense_warmup":
+                out = self.causal_attention(query, key, value, batch)
+            else:
+                routes = self.select_routes(hidden, batch, key.shape[1])
+                out = self.sparse_attention(query, key, value, routes, batch)
+        aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
         gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)  # [B, L, heads, 1]
-        return self.o_proj((out * gate).flatten(-2))
+        return self.o_proj((out * gate).flatten(-2)), aux
 
     def project(
         self, hidden: torch.Tensor, batch: Step5Batch
@@ -258,8 +282,8 @@ class Step5Attention(nn.Module):
         )
 
     def causal_attention(self, query, key, value, batch: Step5Batch) -> torch.Tensor:
-        """Each query over every earlier key of its document (keys all-gathered under CP)."""
-        key, value = self._gather_kv(key, value, batch)
+        """Each query over every earlier key of its document; key, value: [B, S, G, D] global
+        (all-gathered under CP)."""
         mask = batch.flex_masks.get("dense")
         if mask is not None:
             return _flex(query, key, value, mask, self.scale)
@@ -275,22 +299,64 @@ class Step5Attention(nn.Module):
             scale=self.scale,
         )
 
-    def sparse_attention(self, hidden, query, key, value, batch: Step5Batch) -> torch.Tensor:
-        """Each query over the causally visible keys of its KV group's selected regions."""
-        metadata = batch.sparse_metadata
-        key, value = self._gather_kv(key, value, batch)
-        routes = self.select_routes(hidden, batch, key.shape[1])
+    def sparse_attention(
+        self, query, key, value, routes: RegionRoutes, batch: Step5Batch
+    ) -> torch.Tensor:
+        """Each query over the causally visible keys of its KV group's selected regions; key, value:
+        [B, S, G, D] global (all-gathered under CP)."""
         return sparse_region_attention(
             query,
             key,
             value,
             routes.region_ids,
-            metadata.region_sources,
+            batch.sparse_metadata.region_sources,
             query_start=batch.local_start,
             softmax_scale=self.scale,
             backend=self.backend,
             block_mask=routes.block_mask,
         )
+
+    def indexer_loss(
+        self,
+        hidden: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        batch: Step5Batch,
+        mode: str,
+        routes: RegionRoutes | None,
+    ) -> torch.Tensor:
+        """The indexer's KL distillation loss (`sa_routing.csa_indexer_distillation_loss`) as this
+        shard's share of the global mean over sparse queries: `cp.size · Σ_local / N_global`, with
+        `N_global = batch.sparse_query_count` (so the mean over the CP group is the global mean).
+
+        Args:
+            hidden: [B, L, hidden_size], the layer's input (detached inside the indexer's
+                `training_*` projections).
+            query: [B, L, heads, D], the attention's query; key: [B, S, G, D] its global keys.
+            mode: "dense_warmup" or "sparse"; routes: the call's `RegionRoutes` in "sparse".
+        Returns:
+            float32 scalar; gradients reach only the indexer's parameters.
+        """
+        if mode not in INDEXER_TRAINING[1:]:
+            raise ValueError(
+                f"Step5Attention: indexer_training must be one of {INDEXER_TRAINING}; got {mode!r}"
+            )
+        indexer, metadata, group = self.indexer, batch.sparse_metadata, batch.cp.group
+        keys, logits = indexer.training_keys(hidden, batch.positions)
+        # with gradient: the backward reduce-scatters each rank's key gradients to their shard
+        keys, logits = gather_sequence(keys, group), gather_sequence(logits, group)
+        total = csa_indexer_distillation_loss(
+            query,
+            key,
+            *indexer.training_queries(hidden, batch.positions),
+            indexer.training_summaries(keys, logits, metadata),
+            metadata,
+            mode=mode,
+            selection=None if routes is None else routes.selection,
+            softmax_scale=self.scale,
+            reduction="sum",
+        )
+        return total * batch.cp.size / batch.sparse_query_count.clamp(min=1)
 
     @torch.compiler.disable
     def select_routes(

@@ -38,6 +38,10 @@ class Step5Batch:
             `(rope_theta, rotary_dim)` (one per distinct pair of the model's layers).
         sparse_metadata: the `RegionMetadata` shared by every CSA layer (global keys, this shard's
             queries), or None in a model without CSA layers.
+        sparse_query_count: int64 scalar tensor, the sparse queries of the whole (global) batch
+            (`sparse_metadata.sparse_queries` summed over every shard: valid tokens at document
+            position `p` with `p // region_size > topk`), counted from the global positions on
+            every rank: no collective, no host sync. 0 in a model without CSA layers.
         window: the SWA window `W`.
         swa_key_start: global row of the first key an SWA layer holds: `local_start − (W − 1)` with
             the previous rank's halo (negative on rank 0: zero rows there, never visible), the
@@ -47,8 +51,9 @@ class Step5Batch:
         swa_key_documents: int64 [B, swa_key_rows], the document of every SWA key row, −1 for rows
             outside the sequence or padding.
         flex_masks: FlexAttention `BlockMask`s built once per call on CUDA ("swa": window and
-            document over the SWA key rows; "dense": causal and document over the global keys), or
-            empty where the chunked masked-SDPA path runs (CPU, backend "reference").
+            document over the SWA key rows; "dense": causal and document over the global keys, for
+            dense layers and for CSA layers in the indexer's dense warm-up), or empty where the
+            chunked masked-SDPA path runs (CPU, backend "reference").
     """
 
     cp: ContextParallelLayout
@@ -59,6 +64,7 @@ class Step5Batch:
     documents: torch.Tensor
     rotary: dict[tuple[float, int], torch.Tensor]
     sparse_metadata: RegionMetadata | None
+    sparse_query_count: torch.Tensor
     window: int
     swa_key_start: int
     swa_halo: str
@@ -84,6 +90,8 @@ class Step5Batch:
         positions: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
         cp: Any = None,
+        *,
+        dense_warmup: bool = False,
     ) -> Step5Batch:
         """Validate a batch at the model boundary and lay it out.
 
@@ -99,6 +107,8 @@ class Step5Batch:
                 each (global) row: no valid token after a padding token.
             cp: None (one rank), a process group (contiguous shards of L tokens over it), or an
                 `sa_cp.ContextParallelLayout` whose `local_length` is L.
+            dense_warmup: the CSA layers attend densely (the indexer's warm-up): build the dense
+                causal mask on CUDA even without dense layers.
         Raises:
             TypeError: input_ids not an integer tensor, positions not int64, padding_mask not bool,
                 cp of another type.
@@ -148,6 +158,7 @@ class Step5Batch:
             for theta, dim in config.rotary_keys()
         }
         metadata = None
+        sparse_count = torch.zeros((), dtype=torch.int64, device=device)
         if csa:
             sparse = config.sparse_config
             metadata = region_metadata(
@@ -157,6 +168,9 @@ class Step5Batch:
                 length,
                 sparse.region_size,
                 sparse.topk,
+            )
+            sparse_count = _sparse_query_count(
+                global_positions, global_padding, sparse.region_size, sparse.topk
             )
 
         window = config.sliding_window
@@ -172,7 +186,9 @@ class Step5Batch:
         swa_documents = torch.where(
             inside, documents[:, key_rows.clamp(min=0)], torch.full_like(key_rows, -1)
         )
-        masks = _flex_masks(config, documents, swa_documents, layout, swa_start, device)
+        masks = _flex_masks(
+            config, documents, swa_documents, layout, swa_start, device, dense_warmup and csa
+        )
         return cls(
             cp=layout,
             positions=positions,
@@ -182,6 +198,7 @@ class Step5Batch:
             documents=documents,
             rotary=rotary,
             sparse_metadata=metadata,
+            sparse_query_count=sparse_count,
             window=window,
             swa_key_start=swa_start,
             swa_halo=mode,
@@ -273,8 +290,22 @@ def _check_positions(positions: torch.Tensor, padding: torch.Tensor | None) -> N
         )
 
 
-def _flex_masks(config, documents, swa_documents, layout, swa_start, device) -> dict[str, Any]:
-    """The SWA and dense FlexAttention block masks of this call (CUDA, backend not "reference")."""
+def _sparse_query_count(
+    positions: torch.Tensor, padding: torch.Tensor | None, region_size: int, topk: int
+) -> torch.Tensor:
+    """int64 scalar: the valid tokens with more than `topk` historical regions in their document
+    (`RegionMetadata.sparse_queries` over the whole sequence)."""
+    sparse = torch.div(positions, region_size, rounding_mode="floor") > topk
+    if padding is not None:
+        sparse &= ~padding
+    return sparse.sum()
+
+
+def _flex_masks(
+    config, documents, swa_documents, layout, swa_start, device, dense_csa
+) -> dict[str, Any]:
+    """The SWA and dense FlexAttention block masks of this call (CUDA, backend not "reference");
+    `dense_csa`: the CSA layers attend densely as well."""
     if device.type != "cuda" or config.attn_backend == "reference":
         return {}
     from torch.nn.attention.flex_attention import create_block_mask
@@ -295,7 +326,7 @@ def _flex_masks(config, documents, swa_documents, layout, swa_start, device) -> 
         masks["swa"] = create_block_mask(
             window_mod, batch, None, length, keys.shape[1], device=device, _compile=True
         )
-    if "dense" in config.layer_types:
+    if "dense" in config.layer_types or dense_csa:
         every = documents.contiguous()
 
         def causal_mod(b, h, q, kv):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from sa_routing import Step5IndexerLayerNorm, Step5IndexerRMSNorm, Step5IndexerW
 from ..moe import Step5MLP, Step5MoE, Step5RoutedExperts
 from ..norm import Step5RMSNorm, ZeroCenteredRMSNorm
 from ..output import CausalLMOutput, language_model_loss
+from ..routes import INDEXER_TRAINING
 from .attention import Step5Attention
 from .config import Step5Config
 from .layout import Step5Batch
@@ -32,7 +34,8 @@ class Step5DecoderLayer(nn.Module):
     branches' outputs are added to the FP32 residual.
 
     Shapes:
-        residual: float32 [B, L, hidden_size] → float32 [B, L, hidden_size].
+        residual: float32 [B, L, hidden_size] → (float32 [B, L, hidden_size], the attention's
+        indexer loss or None).
     """
 
     def __init__(
@@ -76,9 +79,12 @@ class Step5DecoderLayer(nn.Module):
         self.post_attention_layernorm.output_dtype = activation
         return self
 
-    def forward(self, residual: torch.Tensor, batch: Step5Batch) -> torch.Tensor:
-        residual = residual + self.self_attn(self.input_layernorm(residual), batch)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+    def forward(
+        self, residual: torch.Tensor, batch: Step5Batch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn, indexer_loss = self.self_attn(self.input_layernorm(residual), batch)
+        residual = residual + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual)), indexer_loss
 
 
 class Step5Model(nn.Module):
@@ -132,28 +138,102 @@ class Step5Model(nn.Module):
         """Normal(0, initializer_range) projections, experts and embeddings; zero (identity) scales of
         the zero-centred norms; the indexers' own scales (LayerNorm 1 and 0, `w_proj` normal with
         std hidden_size ** -0.5)."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, Step5RoutedExperts):
-                for weight in (module.gate_proj, module.up_proj, module.down_proj):
-                    nn.init.normal_(weight, mean=0.0, std=std)
-            elif isinstance(module, ZeroCenteredRMSNorm | Step5IndexerRMSNorm):
-                nn.init.zeros_(module.weight)
-            elif isinstance(module, Step5IndexerLayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, Step5IndexerWeightProjection):
-                nn.init.normal_(module.weight, std=module.weight.shape[1] ** -0.5)
-            elif isinstance(module, Step5MoE):
-                module.expert_bias.zero_()
+        _init_modules(self.modules(), self.config.initializer_range)
 
     def indexers(self) -> list[nn.Module]:
         """The CSA layers' indexers, in layer order."""
         return [
             layer.self_attn.indexer for layer in self.layers if layer.self_attn.indexer is not None
         ]
+
+    # -- indexer training --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_indexers(self, std: float | None = None) -> None:
+        """Fresh indexers: normal(0, std) `q_proj` / `k_proj` / `z_proj` (std default
+        `initializer_range`), `w_proj` normal with std hidden_size ** -0.5, identity norms (zero-
+        centred RMSNorm 0, LayerNorm 1 and 0). The first step of sparsifying a model whose layers
+        were trained dense; every other weight is kept."""
+        _init_modules(
+            (m for ix in self.indexers() for m in ix.modules()),
+            self.config.initializer_range if std is None else std,
+        )
+
+    @classmethod
+    def sparsify(
+        cls,
+        dense: Step5Model,
+        layer_types: tuple[str, ...] | None = None,
+        indexer_std: float | None = None,
+    ) -> Step5Model:
+        """A Step-5 model with the weights of `dense` (a model whose layers were trained dense or
+        SWA) and fresh indexers on its CSA layers.
+
+        Args:
+            dense: the trained model; its config is kept except `layer_types`.
+            layer_types: the new model's layer types; default: "csa" where `dense` has a "dense"
+                layer at a CSA position of the Step-5 pattern (`layer_idx % 4 == 3`), `dense`'s
+                type elsewhere.
+            indexer_std: std of the fresh indexers' projections (`init_indexers`).
+        Returns:
+            A new `Step5Model` on `dense`'s device, in its activation dtype (FP32 norms, router and
+            indexer weights), whose every non-indexer weight equals `dense`'s; dropping the
+            `.indexer.` entries of its state dict gives a state dict `dense` loads. Then
+            `set_indexer_training("dense_warmup")`, then `"sparse"`.
+        Raises:
+            TypeError: dense is not a Step5Model. ValueError: layer_types of another length or
+                type (as `Step5Config`), or weights that do not fit.
+        """
+        if not isinstance(dense, Step5Model):
+            raise TypeError(
+                f"Step5Model.sparsify: dense must be a Step5Model; got {type(dense).__name__}"
+            )
+        old = dense.config.layer_types
+        types = (
+            tuple("csa" if t == "dense" and i % 4 == 3 else t for i, t in enumerate(old))
+            if layer_types is None
+            else tuple(layer_types)
+        )
+        config = dataclasses.replace(dense.config, layer_types=types)
+        weight = dense.embed_tokens.weight
+        model = cls(config, dtype=weight.dtype, device=weight.device)
+        missing, unexpected = model.load_state_dict(
+            {k: v for k, v in dense.state_dict().items() if ".indexer." not in k}, strict=False
+        )
+        if unexpected or any(".indexer." not in k for k in missing):
+            raise ValueError(
+                f"Step5Model.sparsify: the dense model's weights do not fit; missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+        model.init_indexers(indexer_std)
+        if dense.cp_group is not None:
+            model.setup_cp_attention(dense.cp_group)
+        return model
+
+    def set_indexer_training(self, mode: str) -> None:
+        """Switch the indexer training stage of every CSA layer (`routes.INDEXER_TRAINING`).
+
+        "off": indexers frozen, the rest trainable (plain training). "dense_warmup": the CSA layers
+        attend densely, only the indexers trainable (everything else frozen). "sparse": sparse
+        attention, everything trainable; the indexers learn only from the distillation loss
+        (`CausalLMOutput.indexer_loss`, which the caller scales and adds), the rest only from the
+        LM loss. Route replay under checkpointing stays on in every stage.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        if mode not in INDEXER_TRAINING:
+            raise ValueError(
+                f"Step5Model.set_indexer_training: mode must be one of {INDEXER_TRAINING}; got {mode!r}"
+            )
+        indexers = {id(p) for ix in self.indexers() for p in ix.parameters()}
+        for p in self.parameters():
+            is_indexer = id(p) in indexers
+            p.requires_grad_(
+                {"off": not is_indexer, "dense_warmup": is_indexer, "sparse": True}[mode]
+            )
+        for layer in self.layers:
+            layer.self_attn.indexer_training = mode
 
     def setup_cp_attention(self, cp_mesh_or_group) -> None:
         """Attach a context-parallel group (or 1-D DeviceMesh) to every attention layer; `forward`
@@ -212,7 +292,9 @@ class Step5Model(nn.Module):
                 `setup_cp_attention`, if any, else one rank.
         Returns:
             `CausalLMOutput` (loss as `QSAModel`'s: under context parallelism each rank's loss is
-            its shard's share scaled by the group size, `size · Σ_local / N_global`).
+            its shard's share scaled by the group size, `size · Σ_local / N_global`; so is
+            `indexer_loss`, the sum of the CSA layers' distillation losses while indexer training
+            is on, over the global count of sparse queries).
         Raises:
             TypeError, ValueError: see `Step5Batch.create`; labels of another shape or dtype.
         """
@@ -223,6 +305,11 @@ class Step5Model(nn.Module):
             positions,
             padding_mask,
             self.cp_group if cp_group is None else cp_group,
+            dense_warmup=any(
+                layer.self_attn.indexer is not None
+                and layer.self_attn.indexer_training == "dense_warmup"
+                for layer in self.layers
+            ),
         )
         if labels is not None and (
             not isinstance(labels, torch.Tensor)
@@ -241,20 +328,41 @@ class Step5Model(nn.Module):
             )
         embeds = self.embed_tokens(input_ids)
         residual = embeds.to(_residual_dtype(embeds.dtype))
+        kwargs = (
+            {} if self._checkpoint_context is None else {"context_fn": self._checkpoint_context}
+        )
+        indexer_losses = []
         for layer in self.layers:
             if self._checkpointing and torch.is_grad_enabled():
-                kwargs = (
-                    {}
-                    if self._checkpoint_context is None
-                    else {"context_fn": self._checkpoint_context}
-                )
-                residual = checkpoint(layer, residual, batch, use_reentrant=False, **kwargs)
+                residual, aux = checkpoint(layer, residual, batch, use_reentrant=False, **kwargs)
             else:
-                residual = layer(residual, batch)
+                residual, aux = layer(residual, batch)
+            if aux is not None:
+                indexer_losses.append(aux)
         logits = self.lm_head(self.norm(residual))
         loss = (
             None
             if labels is None
             else language_model_loss(logits, labels, batch.query_documents < 0, batch.cp.group)
         )
-        return CausalLMOutput(logits, loss)
+        indexer_loss = torch.stack(indexer_losses).sum() if indexer_losses else None
+        return CausalLMOutput(logits, loss, indexer_loss)
+
+
+def _init_modules(modules, std: float) -> None:
+    """The scratch initialisation of `init_weights` on each of `modules`."""
+    for module in modules:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, Step5RoutedExperts):
+            for weight in (module.gate_proj, module.up_proj, module.down_proj):
+                nn.init.normal_(weight, mean=0.0, std=std)
+        elif isinstance(module, ZeroCenteredRMSNorm | Step5IndexerRMSNorm):
+            nn.init.zeros_(module.weight)
+        elif isinstance(module, Step5IndexerLayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, Step5IndexerWeightProjection):
+            nn.init.normal_(module.weight, std=module.weight.shape[1] ** -0.5)
+        elif isinstance(module, Step5MoE):
+            module.expert_bias.zero_()
