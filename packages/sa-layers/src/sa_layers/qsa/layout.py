@@ -119,9 +119,12 @@ class QSABatch:
                 raise ValueError(
                     f"{_OP}: cu_seqlens (packed documents) needs batch 1; got batch {batch}"
                 )
-            cp_context = QSAContextParallel.create(
-                rows, attention_mask=attention_mask, cu_seqlens=cu_seqlens
-            )
+            try:
+                cp_context = QSAContextParallel.create(
+                    rows, attention_mask=attention_mask, cu_seqlens=cu_seqlens
+                )
+            except ValueError as error:  # name the model boundary, not the helper
+                raise ValueError(str(error).replace("QSAContextParallel.create", _OP)) from None
             if cp_context.cu_seqlens is not None and cp_context.cu_seqlens[-1] != rows:
                 raise ValueError(
                     f"{_OP}: cu_seqlens must end at the sequence length {rows}; got {cp_context.cu_seqlens[-1]}"
@@ -135,7 +138,7 @@ class QSABatch:
                 f"{_OP}: input_ids holds {rows} tokens per row; cp_context.local_length is {cp_context.local_length}"
             )
         if cp_context.size > 1:
-            cp_context.check_compress_ratio(_OP, compress_ratio)
+            cp_context.check_compress_ratio(f"{_OP}: cp_context", compress_ratio)
         if cp_context.cu_seqlens is not None and batch != 1:
             raise ValueError(
                 f"{_OP}: cu_seqlens (packed documents) needs batch 1; got batch {batch}"
