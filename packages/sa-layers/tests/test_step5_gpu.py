@@ -58,7 +58,7 @@ def run_layer(layer: Step5Attention, hidden: torch.Tensor, positions: torch.Tens
     if layer.indexer is not None:
         layer.indexer.register_forward_hook(lambda _m, _i, out: seen.append(out.region_ids))
     x = hidden.clone().requires_grad_(grad)
-    out = layer(x, batch)
+    out, _ = layer(x, batch)
     if grad:
         out.float().square().sum().backward()
     return out.detach(), (x.grad if grad else None), (seen[0] if seen else None)

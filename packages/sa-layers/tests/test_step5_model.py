@@ -208,7 +208,7 @@ def test_layer_output_and_input_gradient_equal_the_float64_reference(kind, backe
     positions, padding = packed_positions(DOCUMENTS)
     batch = Step5Batch.create(config, token_ids(), positions, padding)
     x = hidden_states().requires_grad_(True)
-    out = layer(x, batch)
+    out, _ = layer(x, batch)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * weight).sum().backward()
     ids = seen[0] if seen else None
@@ -254,12 +254,12 @@ def test_swa_output_of_a_query_moves_only_with_tokens_in_its_window_and_document
     positions, padding = packed_positions([[30, 18]])
     batch = Step5Batch.create(config, token_ids(1), positions, padding)
     x = hidden_states(1)
-    base = layer(x, batch)
+    base, _ = layer(x, batch)
     docs, _ = documents_and_regions(positions, padding, REGION)
     for t in (0, 5, 22, 29, 30, 31, 40):
         moved = x.clone()
         moved[0, t] += 1.0
-        changed = (layer(moved, batch) - base).abs().amax(-1)[0] > 0
+        changed = (layer(moved, batch)[0] - base).abs().amax(-1)[0] > 0
         q = torch.arange(SEQUENCE)
         expected = (docs[0] == docs[0, t]) & (q >= t) & (q - t < WINDOW)
         assert torch.equal(changed, expected), t
@@ -294,7 +294,7 @@ def test_window_attention_on_one_rank_equals_a_window_as_large_as_the_sequence_w
     positions, padding = packed_positions(DOCUMENTS)
     batch = Step5Batch.create(config, token_ids(), positions, padding)
     x = hidden_states()
-    torch.testing.assert_close(swa(x, batch), dense(x, batch), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(swa(x, batch)[0], dense(x, batch)[0], rtol=1e-6, atol=1e-6)
 
 
 # -- the decoder layer: FP32 residual ---------------------------------------------------------------
@@ -316,10 +316,10 @@ def test_decoder_layer_adds_bf16_branches_to_an_fp32_residual(moe):
     batch = Step5Batch.create(config, token_ids())
     # 1000 + x: below BF16 resolution at 1000, so a BF16 residual would lose x entirely
     residual = 1000.0 + hidden_states()
-    out = layer(residual, batch)
+    out, _ = layer(residual, batch)
     normed = layer.input_layernorm(residual)
     assert out.dtype == torch.float32 and normed.dtype == torch.bfloat16
-    middle = residual + layer.self_attn(normed, batch)
+    middle = residual + layer.self_attn(normed, batch)[0]
     expected = middle + layer.mlp(layer.post_attention_layernorm(middle))
     assert torch.equal(out, expected)
     assert (out - residual).abs().max() < 100  # the residual's own digits survive
