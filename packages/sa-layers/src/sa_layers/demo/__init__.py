@@ -30,7 +30,9 @@ class _Parser(argparse.ArgumentParser):
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _Parser(prog="sa-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qsa", help="qsa (step5 is not wired into the demo yet)")
+    parser.add_argument(
+        "--model", default="qsa", help="qsa (the demo trains QSA models; step5 is refused)"
+    )
     parser.add_argument(
         "--seq-len",
         type=int,
@@ -49,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--model must be one of {', '.join(MODELS)}; got {args.model!r}")
     if args.model == "step5":
         parser.error(
-            "--model step5: the Step-5 indexer's training switch is not built yet; use --model qsa"
+            "--model step5: the demo's task and metrics are written for QSA routes only; use --model qsa"
         )
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda; got {args.device!r}")
