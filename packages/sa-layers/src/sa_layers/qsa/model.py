@@ -8,13 +8,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sa_cp import checkpoint_context_fn
 from sa_routing import QSAContextParallel
 
 from ..mlp import ClampedSwiGLUMLP
 from ..norm import ZeroCenteredRMSNorm
 from ..output import CausalLMOutput, language_model_loss
-from ..routes import INDEXER_TRAINING
+from ..routed_model import RoutedModel
 from .attention import QSAAttention
 from .config import QSAConfig
 from .layout import QSABatch
@@ -39,7 +38,7 @@ class QSADecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), indexer_loss
 
 
-class QSAModel(nn.Module):
+class QSAModel(RoutedModel, nn.Module):
     """Embedding, QSA decoder layers, final norm and LM head.
 
     Build it in FP32 and cast with `.to(torch.bfloat16)` (norm weights stay FP32). Under activation
@@ -76,12 +75,6 @@ class QSAModel(nn.Module):
                 nn.init.zeros_(module.weight)
         for indexer in self.indexers():
             indexer.init_weights(std)
-
-    def indexers(self) -> list[nn.Module]:
-        """The routed layers' indexers, in layer order."""
-        return [
-            layer.self_attn.indexer for layer in self.layers if layer.self_attn.indexer is not None
-        ]
 
     # -- indexer training --------------------------------------------------------------------------
 
@@ -125,52 +118,6 @@ class QSAModel(nn.Module):
             )
         model.init_indexers(indexer_std)
         return model
-
-    def set_indexer_training(self, mode: str) -> None:
-        """Switch the indexer training stage of every QSA layer (`routes.INDEXER_TRAINING`).
-
-        "off": indexers frozen, the rest trainable (plain training). "dense_warmup": dense attention,
-        only the indexers trainable (everything else frozen). "sparse": sparse attention, everything
-        trainable; the indexers learn only from the distillation loss (`CausalLMOutput.indexer_loss`,
-        which the caller scales and adds), the rest only from the LM loss. Route replay under
-        checkpointing stays on in every stage.
-        """
-        if mode not in INDEXER_TRAINING:
-            raise ValueError(
-                f"QSAModel.set_indexer_training: mode must be one of {INDEXER_TRAINING}; got {mode!r}"
-            )
-        indexers = {id(p) for ix in self.indexers() for p in ix.parameters()}
-        for p in self.parameters():
-            is_indexer = id(p) in indexers
-            p.requires_grad_(
-                {"off": not is_indexer, "dense_warmup": is_indexer, "sparse": True}[mode]
-            )
-        for layer in self.layers:
-            layer.self_attn.indexer_training = mode
-
-    # -- activation checkpointing ----------------------------------------------------------------
-
-    def checkpoint_context_fn(self, context_fn=None):
-        """A `context_fn` for `torch.utils.checkpoint.checkpoint` that records every routed layer's
-        routes in the forward and replays them in the recompute; `context_fn` (e.g. selective
-        checkpointing's `partial(create_selective_checkpoint_contexts, policy)`) is composed in."""
-        channels = [
-            layer.self_attn.routes for layer in self.layers if layer.self_attn.indexer is not None
-        ]
-        return checkpoint_context_fn(context_fn, *channels)
-
-    def enable_activation_checkpointing(self, context_fn=None) -> None:
-        """Checkpoint every decoder layer (full, or selective through `context_fn`)."""
-        self._checkpointing = True
-        self._checkpoint_context = (
-            self.checkpoint_context_fn(context_fn)
-            if self.config.reuse_routes_on_recompute
-            else context_fn
-        )
-
-    def disable_activation_checkpointing(self) -> None:
-        self._checkpointing = False
-        self._checkpoint_context = None
 
     # -- forward -----------------------------------------------------------------------------------
 

@@ -9,13 +9,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sa_cp import checkpoint_context_fn
 from sa_routing import Step5IndexerLayerNorm, Step5IndexerRMSNorm, Step5IndexerWeightProjection
 
 from ..moe import Step5MLP, Step5MoE, Step5RoutedExperts
 from ..norm import Step5RMSNorm, ZeroCenteredRMSNorm
 from ..output import CausalLMOutput, language_model_loss
-from ..routes import INDEXER_TRAINING
+from ..routed_model import RoutedModel
 from .attention import Step5Attention
 from .config import Step5Config
 from .layout import Step5Batch
@@ -87,7 +86,7 @@ class Step5DecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual)), indexer_loss
 
 
-class Step5Model(nn.Module):
+class Step5Model(RoutedModel, nn.Module):
     """Embedding, Step-5 decoder layers, final norm and LM head.
 
     Build it in the activation dtype (`dtype=torch.bfloat16`) or in FP32 and cast with
@@ -139,12 +138,6 @@ class Step5Model(nn.Module):
         the zero-centred norms; the indexers' own scales (LayerNorm 1 and 0, `w_proj` normal with
         std hidden_size ** -0.5)."""
         _init_modules(self.modules(), self.config.initializer_range)
-
-    def indexers(self) -> list[nn.Module]:
-        """The CSA layers' indexers, in layer order."""
-        return [
-            layer.self_attn.indexer for layer in self.layers if layer.self_attn.indexer is not None
-        ]
 
     # -- indexer training --------------------------------------------------------------------------
 
@@ -210,61 +203,12 @@ class Step5Model(nn.Module):
             model.setup_cp_attention(dense.cp_group)
         return model
 
-    def set_indexer_training(self, mode: str) -> None:
-        """Switch the indexer training stage of every CSA layer (`routes.INDEXER_TRAINING`).
-
-        "off": indexers frozen, the rest trainable (plain training). "dense_warmup": the CSA layers
-        attend densely, only the indexers trainable (everything else frozen). "sparse": sparse
-        attention, everything trainable; the indexers learn only from the distillation loss
-        (`CausalLMOutput.indexer_loss`, which the caller scales and adds), the rest only from the
-        LM loss. Route replay under checkpointing stays on in every stage.
-
-        Raises:
-            ValueError: an unknown mode.
-        """
-        if mode not in INDEXER_TRAINING:
-            raise ValueError(
-                f"Step5Model.set_indexer_training: mode must be one of {INDEXER_TRAINING}; got {mode!r}"
-            )
-        indexers = {id(p) for ix in self.indexers() for p in ix.parameters()}
-        for p in self.parameters():
-            is_indexer = id(p) in indexers
-            p.requires_grad_(
-                {"off": not is_indexer, "dense_warmup": is_indexer, "sparse": True}[mode]
-            )
-        for layer in self.layers:
-            layer.self_attn.indexer_training = mode
-
     def setup_cp_attention(self, cp_mesh_or_group) -> None:
         """Attach a context-parallel group (or 1-D DeviceMesh) to every attention layer; `forward`
         then shards over it when `cp_group` is not given."""
         for layer in self.layers:
             layer.self_attn.setup_cp_attention(cp_mesh_or_group)
         self.cp_group = self.layers[0].self_attn.cp_group if self.layers else None
-
-    # -- activation checkpointing ----------------------------------------------------------------
-
-    def checkpoint_context_fn(self, context_fn=None):
-        """A `context_fn` for `torch.utils.checkpoint.checkpoint` that records every CSA layer's
-        routes in the forward and replays them in the recompute; `context_fn` (e.g. selective
-        checkpointing's `partial(create_selective_checkpoint_contexts, policy)`) is composed in."""
-        channels = [
-            layer.self_attn.routes for layer in self.layers if layer.self_attn.indexer is not None
-        ]
-        return checkpoint_context_fn(context_fn, *channels)
-
-    def enable_activation_checkpointing(self, context_fn=None) -> None:
-        """Checkpoint every decoder layer (full, or selective through `context_fn`)."""
-        self._checkpointing = True
-        self._checkpoint_context = (
-            self.checkpoint_context_fn(context_fn)
-            if self.config.reuse_routes_on_recompute
-            else context_fn
-        )
-
-    def disable_activation_checkpointing(self) -> None:
-        self._checkpointing = False
-        self._checkpoint_context = None
 
     # -- forward -----------------------------------------------------------------------------------
 
