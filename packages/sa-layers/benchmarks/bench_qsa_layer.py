@@ -9,7 +9,8 @@ bf16, random hidden states, routes from the layer's own (randomly initialised) i
     model            a 4-layer QSAModel (vocab 4096, so that the LM head does not dominate) fwd+bwd
                      tokens/s vs the all-dense model
 
-Times are medians of `triton.testing.do_bench` (warm-up included; the first call compiles Flex).
+Times are the median of 5 calls after one warm-up call (which compiles Flex), CUDA events around
+each call (`_timing.py`).
 Writes record rows (`tools/bench_records.py`) with `--json PATH`, rewritten after every row.
 
     python packages/sa-layers/benchmarks/bench_qsa_layer.py [--quick] [--lengths N ...] [--json PATH]
@@ -19,7 +20,7 @@ import argparse
 import json
 
 import torch
-from triton.testing import do_bench
+from _timing import median_ms, peak_gib
 
 from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
 from sa_layers.routes import token_routes
@@ -44,15 +45,6 @@ def batch_of(cfg: QSAConfig, length: int) -> QSABatch:
     )
 
 
-def peak_gib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
 def layer_rows(length: int) -> list[dict]:
     torch.manual_seed(0)
     sparse = QSAAttention(config("qsa"), 0).cuda().to(torch.bfloat16)
@@ -73,9 +65,9 @@ def layer_rows(length: int) -> list[dict]:
             ids = sparse.indexer(hidden, batch.freqs, cp_context=batch.cp)
             token_routes(ids, length, 24, "auto")
 
-    t_sparse = do_bench(step(sparse), warmup=2, rep=5, return_mode="median")
-    t_dense = do_bench(step(dense), warmup=2, rep=5, return_mode="median")
-    t_prep = do_bench(route_prep, warmup=1, rep=5, return_mode="median")
+    t_sparse = median_ms(step(sparse), reps=5, device="cuda")
+    t_dense = median_ms(step(dense), reps=5, device="cuda")
+    t_prep = median_ms(route_prep, reps=5, device="cuda")
     m_sparse, m_dense = peak_gib(step(sparse)), peak_gib(step(dense))
     shape = f"1 × {length} tokens, hidden 2560, Hq 24 / Hkv 2, D 256, bf16"
     ratio = t_dense / t_sparse
@@ -121,7 +113,7 @@ def model_rows(length: int) -> list[dict]:
         def step(model=model, ids=ids):
             model(ids, labels=ids).loss.backward()
 
-        times[kind] = do_bench(step, warmup=2, rep=5, return_mode="median")
+        times[kind] = median_ms(step, reps=5, device="cuda")
         peaks[kind] = peak_gib(step)
         del model
         torch.cuda.empty_cache()

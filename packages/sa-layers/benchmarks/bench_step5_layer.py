@@ -31,11 +31,10 @@ import contextlib
 import dataclasses
 import gc
 import json
-import statistics
-import sys
 import time
 
 import torch
+from _timing import gib, log, median_ms, peak_gib
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -115,42 +114,7 @@ SMOKE = Setup(
 
 def time_ms(fn, setup: Setup) -> float:
     """Median milliseconds of `setup.reps` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(setup.reps):
-        if setup.device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_gib(fn, setup: Setup) -> float | None:
-    """Peak memory above what was allocated before one call, GiB (None on the CPU)."""
-    if setup.device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
-def gib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f} GiB"
-
-
-def log(message: str, started: float) -> None:
-    print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+    return median_ms(fn, reps=setup.reps, device=setup.device)
 
 
 # -- the layers -------------------------------------------------------------------------------------
@@ -224,8 +188,8 @@ def csa_rows(setup: Setup, length: int) -> list[dict]:
     t_sparse = time_ms(fwd_bwd(sparse, hidden, batch, grad), setup)
     t_dense = time_ms(fwd_bwd(dense, hidden, batch, grad), setup)
     t_prep = time_ms(route_prep, setup)
-    m_sparse = peak_gib(fwd_bwd(sparse, hidden, batch, grad), setup)
-    m_dense = peak_gib(fwd_bwd(dense, hidden, batch, grad), setup)
+    m_sparse = peak_gib(fwd_bwd(sparse, hidden, batch, grad), setup.device)
+    m_dense = peak_gib(fwd_bwd(dense, hidden, batch, grad), setup.device)
     shape = f"1 × {length} tokens, {setup.geometry(hidden_size)}"
     ratio = t_dense / t_sparse
     goal = CSA_GOALS.get(length) if setup.device == "cuda" else None
@@ -358,7 +322,7 @@ def model_step(setup: Setup, kind: str, length: int, checkpointing: bool):
 def measure_model(setup: Setup, kind: str, length: int, checkpointing: bool):
     """(median ms, peak GiB) of the model's fwd+bwd step; the model is freed on return."""
     _, step = model_step(setup, kind, length, checkpointing)
-    return time_ms(step, setup), peak_gib(step, setup)
+    return time_ms(step, setup), peak_gib(step, setup.device)
 
 
 def free_memory() -> None:
