@@ -2,7 +2,7 @@
 
 from .config import QSAIndexerConfig
 from .context_parallel import QSAContextParallel
-from .indexer import QSAIndexer, QSARMSNorm, Qwen3_8_FlashNextQSAIndexer
+from .indexer import QSAIndexer, QSARMSNorm
 from .lengths import packed_block_starts, right_padded_sequence_lengths
 from .rope import apply_qsa_rope
 from .selection import select_qsa_token_ids
@@ -12,7 +12,6 @@ __all__ = [
     "QSAIndexer",
     "QSAIndexerConfig",
     "QSARMSNorm",
-    "Qwen3_8_FlashNextQSAIndexer",
     "apply_qsa_rope",
     "packed_block_starts",
     "right_padded_sequence_lengths",

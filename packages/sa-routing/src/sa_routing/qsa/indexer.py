@@ -419,7 +419,3 @@ def _gather_with_grad(x: torch.Tensor, group: object | None) -> torch.Tensor:
     from sa_cp import gather_sequence
 
     return gather_sequence(x, group=group, dim=1)
-
-
-Qwen3_8_FlashNextQSAIndexer = QSAIndexer
-"""The name of the reference model's indexer class."""
