@@ -17,10 +17,10 @@ import triton
 from triton.testing import do_bench
 
 from sa_mla import cudnn_sparse_attention, is_cudnn_sparse_attention_available, sparse_mla_triton
-from sa_mla.canonical import canonical_topk
-from sa_mla.triton.backward import sparse_mla_backward
-from sa_mla.triton.forward import hopper_forward_applies, sparse_mla_forward
-from sa_mla.triton.launch import LaunchConfig, forward_configs
+from sa_mla.sparse_mla.canonical import canonical_topk
+from sa_mla.sparse_mla.triton_backward import sparse_mla_backward
+from sa_mla.sparse_mla.triton_forward import hopper_forward_applies, sparse_mla_forward
+from sa_mla.sparse_mla.triton_launch import LaunchConfig, forward_configs
 
 LOG = []
 

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from mla_cases import random_problem
 
-from sa_mla.canonical import (
+from sa_mla.sparse_mla.canonical import (
     FusedKernels,
     HeadChunk,
     backward_rows,
@@ -12,8 +13,7 @@ from sa_mla.canonical import (
     fused_sparse_mla,
     sink_gradient_from_lse,
 )
-from sa_mla.reference import sparse_mla_reference_with_lse, valid_slots
-from sa_mla.testing import random_problem
+from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse, valid_slots
 
 
 class FakeKernels:

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from mla_cases import errors_against_oracle, random_problem
 
 from sa_mla import cudnn_sparse_attention, sparse_mla_attention
-from sa_mla.canonical import fused_sparse_mla
-from sa_mla.cudnn_flashmla import FLASHMLA_CUDNN, unavailable_reason
-from sa_mla.dispatch import select_backend
-from sa_mla.reference import sparse_mla_reference_with_lse
-from sa_mla.testing import errors_against_oracle, random_problem
+from sa_mla.sparse_mla import select_backend
+from sa_mla.sparse_mla.canonical import fused_sparse_mla
+from sa_mla.sparse_mla.cudnn_flashmla import FLASHMLA_CUDNN, unavailable_reason
+from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse
 
 
 @pytest.fixture

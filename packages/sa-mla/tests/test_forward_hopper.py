@@ -3,11 +3,11 @@ no interpreter), and the choice between the two kernels."""
 
 import pytest
 import torch
+from mla_cases import random_problem, relative_error
 
-from sa_mla.reference import sparse_mla_reference_with_lse
-from sa_mla.testing import random_problem, relative_error
-from sa_mla.triton import forward as triton_forward
-from sa_mla.triton.launch import forward_configs
+from sa_mla.sparse_mla import triton_forward
+from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse
+from sa_mla.sparse_mla.triton_launch import forward_configs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(
@@ -147,9 +147,9 @@ def test_kv_rows_the_gathers_cannot_prove_aligned_go_to_the_portable_kernel(layo
 def test_the_gluon_kernel_imports_on_hopper():
     """The Gluon kernel's import failing falls back to the portable kernel without an error, and the
     other tests here would only skip: on an SM90 GPU with torch's Triton, it must import."""
-    from sa_mla.triton import forward_hopper  # raises what the fallback would swallow
+    from sa_mla.sparse_mla import gluon_forward  # raises what the fallback would swallow
 
-    assert triton_forward.sparse_mla_forward_hopper is forward_hopper.sparse_mla_forward_hopper
+    assert triton_forward.sparse_mla_forward_hopper is gluon_forward.sparse_mla_forward_hopper
 
 
 @pytest.mark.skipif(
@@ -163,9 +163,9 @@ def test_hopper_kernel_refuses_other_dtypes():
 
 
 def test_both_forward_kernels_take_the_shared_launch_arguments_in_their_own_order():
-    """`launch.forward_arguments` feeds the portable kernel and the Gluon one: its positional
+    """`triton_launch.forward_arguments` feeds the portable kernel and the Gluon one: its positional
     arguments and constexprs must name, in order, the first parameters of each kernel."""
-    from sa_mla.triton.launch import forward_arguments
+    from sa_mla.sparse_mla.triton_launch import forward_arguments
 
     q = torch.empty(3, 4, 576, device="meta", dtype=torch.bfloat16)
     kv = torch.empty(10, 576, device="meta", dtype=torch.bfloat16)
@@ -182,7 +182,7 @@ def test_both_forward_kernels_take_the_shared_launch_arguments_in_their_own_orde
     assert list(constexprs) == expected[len(args) :]
     kernels = [triton_forward._sparse_mla_fwd_kernel]
     if triton_forward.sparse_mla_forward_hopper is not None:
-        from sa_mla.triton.forward_hopper import _sparse_mla_fwd_hopper_kernel
+        from sa_mla.sparse_mla.gluon_forward import _sparse_mla_fwd_hopper_kernel
 
         kernels.append(_sparse_mla_fwd_hopper_kernel)
     for kernel in kernels:

@@ -2,10 +2,44 @@
 
 import pytest
 import torch
+from mla_cases import random_problem
 
 from sa_mla import sparse_mla_reference
-from sa_mla.reference import dense_masked_reference, sparse_mla_reference_with_lse
-from sa_mla.testing import random_problem
+from sa_mla.sparse_mla.reference import VALUE_DIM, sparse_mla_reference_with_lse, valid_slots
+
+
+def dense_masked_reference(
+    q: torch.Tensor,
+    kv_latent: torch.Tensor,
+    topk_indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A second, independent formulation of the oracle: dense FP64 attention over all keys with slot multiplicity.
+
+    Each key's weight is multiplied by how many valid slots name it, then a plain softmax (plus the sink
+    column) runs over every key. Differentiable; memory O(tokens * heads * keys), so small inputs only.
+    """
+    q64 = q.double()
+    kv = kv_latent[:, 0].double()
+    keys = kv.shape[0]
+    ids = topk_indices[:, 0].long()
+    valid = valid_slots(ids, keys, topk_length)
+    counts = torch.zeros(q.shape[0], keys + 1, dtype=torch.float64, device=q.device)
+    counts.scatter_add_(1, torch.where(valid, ids, keys), valid.double())
+    counts = counts[:, :keys]  # [T, keys]
+    scores = torch.einsum("thd,kd->thk", q64, kv) * softmax_scale
+    scores = scores + torch.log(counts)[:, None, :]  # log 0 = -inf masks unnamed keys
+    if attn_sink is not None:
+        sink = attn_sink.double()[None, :, None].expand(q.shape[0], -1, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    nonempty = valid.any(dim=-1)
+    safe = torch.where(nonempty[:, None, None], scores, torch.zeros_like(scores))
+    probs = torch.softmax(safe, dim=-1)[..., :keys]
+    out = torch.einsum("thk,kd->thd", probs, kv[:, :VALUE_DIM])
+    return out * nonempty[:, None, None]
+
 
 CASES = [
     pytest.param(dict(tokens=9, heads=3, head_dim=576, keys=41, width=13), id="T9-H3-D576-W13"),

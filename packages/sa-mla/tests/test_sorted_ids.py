@@ -4,9 +4,9 @@ the PyTorch definition, and hand-written cases for both."""
 import pytest
 import torch
 
-from sa_mla.canonical import ascending_valid_ids_reference
-from sa_mla.triton import sorted_ids
-from sa_mla.triton.sorted_ids import ascending_valid_ids, kernel_runs
+from sa_mla.sparse_mla import triton_sorted_ids as sorted_ids
+from sa_mla.sparse_mla.reference import ascending_valid_ids_reference
+from sa_mla.sparse_mla.triton_sorted_ids import ascending_valid_ids, kernel_runs
 
 # Without CUDA or the interpreter `ascending_valid_ids` is the reference itself: nothing to compare.
 KERNEL = pytest.mark.skipif(

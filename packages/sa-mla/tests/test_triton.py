@@ -4,13 +4,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from mla_cases import errors_against_oracle, random_problem, relative_error
 
 from sa_mla import sparse_mla_attention, sparse_mla_reference, sparse_mla_triton
-from sa_mla.reference import sparse_mla_reference_with_lse
-from sa_mla.testing import errors_against_oracle, random_problem, relative_error
-from sa_mla.triton import backward as triton_backward
-from sa_mla.triton import lse_with_sink
-from sa_mla.triton.forward import sparse_mla_forward
+from sa_mla.sparse_mla import lse_with_sink, triton_backward
+from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse
+from sa_mla.sparse_mla.triton_forward import sparse_mla_forward
 
 INTERPRETED = [
     pytest.param(
@@ -96,7 +95,7 @@ def test_triton_dkv_reads_p_and_ds_written_for_a_smaller_dq_head_block_without_s
     program of heads 0-15 must still write their p and ds (zeros), since the dkv program of heads
     0-31 reads them (the buffers are filled with NaN here, where `torch.empty` would leave whatever
     memory held)."""
-    from sa_mla.triton.launch import LaunchConfig
+    from sa_mla.sparse_mla.triton_launch import LaunchConfig
 
     p = random_problem(
         5, 32, 576, 40, 21, sink=True, dtype=torch.float32, seed=71, requires_grad=False
@@ -142,7 +141,7 @@ def test_triton_grids_stay_within_cuda_limits(monkeypatch, tokens, width):
     """Grid y and z stop at 65535: 70 000 tokens never go on y or z (the grids' x axes hold them),
     and rows of 34M slots get slot ranges wide enough that at most 65535 cover a row (the dkv grid's
     y). Meta tensors, and a launcher that only records the grids."""
-    from sa_mla.triton import forward as triton_forward
+    from sa_mla.sparse_mla import triton_forward
 
     grids = []
 
@@ -201,7 +200,7 @@ def test_triton_backward_in_token_chunks_equals_one_chunk(monkeypatch):
 
 
 def test_dkv_slot_ranges_must_be_whole_slot_blocks_and_fit_grid_y():
-    from sa_mla.triton.launch import LaunchConfig
+    from sa_mla.sparse_mla.triton_launch import LaunchConfig
 
     with pytest.raises(
         ValueError, match=r"slot_chunk must be a positive multiple of block_k \(16\)"
@@ -272,7 +271,7 @@ def test_triton_gpu_matches_oracle(heads, head_dim, width, sink, forward_kernel,
     """`auto`: on Hopper the forward runs the Gluon kernel; `portable` keeps the portable forward
     covered on every GPU."""
     if forward_kernel == "portable":
-        from sa_mla.triton import forward as triton_forward
+        from sa_mla.sparse_mla import triton_forward
 
         monkeypatch.setattr(triton_forward, "hopper_forward_applies", lambda q, kv: False)
     p = random_problem(

@@ -1,4 +1,4 @@
-"""The 8-warp kernels' dots keep out of Triton's dot chains (see `sa_mla.triton.unchained`).
+"""The 8-warp kernels' dots keep out of Triton's dot chains (see `sa_mla.sparse_mla.triton_chain_break`).
 
 Compiled offline for sm_90 (no GPU needed), in a subprocess without TRITON_INTERPRET, which would hand
 the compiler interpreted functions. The check reads the MMA layouts of the compiled kernels: a 64-row
@@ -28,9 +28,9 @@ _COMPILE = textwrap.dedent(
 
     if "nvidia" not in triton.backends.backends:
         sys.exit({_NO_SM90})
-    from sa_mla.triton.backward import _sparse_mla_bwd_dkv_kernel, _sparse_mla_bwd_dq_kernel
-    from sa_mla.triton.forward import _sparse_mla_fwd_kernel
-    from sa_mla.triton.launch import dkv_configs
+    from sa_mla.sparse_mla.triton_backward import _sparse_mla_bwd_dkv_kernel, _sparse_mla_bwd_dq_kernel
+    from sa_mla.sparse_mla.triton_forward import _sparse_mla_fwd_kernel
+    from sa_mla.sparse_mla.triton_launch import dkv_configs
 
     POINTERS = dict(
         Q="*bf16", KV="*bf16", OUT="*bf16", DOUT="*bf16", DQ="*bf16", IDX="*i32", TOPK_LEN="*i32", LENGTHS="*i32",
@@ -117,8 +117,8 @@ def test_shipped_dkv_config_loads_its_p_and_ds_tiles_asynchronously(compiled_lay
 )
 def test_dots_are_unchained_only_on_hopper(monkeypatch, capability, expected):
     """Only where the duplicated scores were seen and the fix measured; CPU (the interpreter) never."""
-    from sa_mla.triton import unchained
+    from sa_mla.sparse_mla import triton_chain_break
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert unchained.unchain_dots(torch.device("cuda", 0)) is expected
-    assert unchained.unchain_dots(torch.device("cpu")) is False
+    monkeypatch.setattr(triton_chain_break, "device_capability", lambda index: capability)
+    assert triton_chain_break.unchain_dots(torch.device("cuda", 0)) is expected
+    assert triton_chain_break.unchain_dots(torch.device("cpu")) is False

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-import sa_mla
 from sa_mla import (
     cudnn_sparse_attention,
     is_cudnn_sparse_attention_available,
+    sparse_mla,
     sparse_mla_attention,
     sparse_mla_reference,
     sparse_mla_triton,
 )
-from sa_mla.dispatch import select_backend
+from sa_mla.sparse_mla import select_backend
 
 FUNCTIONS = {
     "cudnn_sparse_attention": cudnn_sparse_attention,
@@ -182,6 +182,14 @@ def test_unknown_backend_is_a_value_error():
         sparse_mla_attention(**valid_arguments(), backend="flash")
 
 
+def test_backend_is_keyword_only():
+    """As in `sparse_gqa_attention`: a ninth positional argument is refused, `backend=` is not."""
+    arguments = valid_arguments()
+    with pytest.raises(TypeError, match="positional argument"):
+        sparse_mla_attention(*arguments.values(), "reference")
+    sparse_mla_attention(**arguments, backend="reference")
+
+
 def test_auto_on_cpu_runs_the_oracle(monkeypatch):
     arguments = valid_arguments()
     assert (
@@ -192,7 +200,7 @@ def test_auto_on_cpu_runs_the_oracle(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("auto on CPU must not run the Triton path")
 
-    monkeypatch.setattr(sa_mla.dispatch, "_sparse_mla_triton", fail)
+    monkeypatch.setattr(sparse_mla, "_sparse_mla_triton", fail)
     torch.testing.assert_close(
         sparse_mla_attention(**arguments), sparse_mla_reference(**arguments), rtol=0, atol=0
     )
@@ -212,13 +220,12 @@ def test_reference_accepts_fp64_but_triton_and_fused_path_do_not():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_attention_validates_once(backend, monkeypatch):
     calls = []
-    for module in (sa_mla.dispatch, sa_mla.cudnn_flashmla, sa_mla.reference, sa_mla.triton):
-        check = module.check_sparse_mla_arguments
-        monkeypatch.setattr(
-            module,
-            "check_sparse_mla_arguments",
-            lambda *a, check=check, **k: calls.append(a[0]) or check(*a, **k),
-        )
+    check = sparse_mla.check_sparse_mla_arguments
+    monkeypatch.setattr(
+        sparse_mla,
+        "check_sparse_mla_arguments",
+        lambda *a, check=check, **k: calls.append(a[0]) or check(*a, **k),
+    )
     sparse_mla_attention(**valid_arguments(), backend=backend)
     assert calls == ["sparse_mla_attention"]
 

@@ -4,7 +4,7 @@ The backward walks these rows: its kernels skip the invalid tail, and with ascen
 programs in flight (slot ranges are the dkv grid's slowest axis) add into nearby dkv rows, which stay
 in L2 (on the H200 the backward takes 26.59 ms with ascending ids against 27.67 without).
 
-`sa_mla.canonical.ascending_valid_ids_reference` is the PyTorch definition (also `canonical_topk`'s
+`reference.ascending_valid_ids_reference` is the PyTorch definition (also `canonical_topk`'s
 compaction for the fused path). `ascending_valid_ids` marks the invalid slots and counts the valid
 ones in one Triton pass (torch's form takes five elementwise and reduction kernels) and leaves the
 sort to torch (a Triton `tl.sort` per row measured slower inside the backward).
@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import triton_interpret
-from sa_mla.canonical import ascending_valid_ids_reference
+
+from .reference import ascending_valid_ids_reference
 
 # Rows up to this width are marked by one program (8192 ids over 8 warps: 32 per thread).
 MAX_KERNEL_WIDTH = 8192

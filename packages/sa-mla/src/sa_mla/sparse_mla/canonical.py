@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sa_mla.reference import valid_slots
+from .reference import ascending_valid_ids_reference, valid_slots
+from .triton_backward import sparse_mla_delta
 
 ForwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 BackwardKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -65,23 +66,6 @@ def ids_as_int32(topk_indices: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.where(valid, topk_indices.to(torch.int32), -1)
 
 
-def ascending_valid_ids_reference(
-    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
-    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
-    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
-    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
-    The definition behind `canonical_topk`'s compaction and the Triton backward's sorted rows
-    (`sa_mla.triton.sorted_ids`)."""
-    valid = (ids >= 0) & (ids < keys)
-    if topk_length is not None:
-        slots = torch.arange(ids.shape[1], device=ids.device)
-        valid &= slots[None, :] < topk_length[:, None]
-    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values  # int32 sorts faster
-    return ordered, valid.sum(dim=1, dtype=torch.int32)
-
-
 def canonical_topk(
     topk_indices: torch.Tensor, keys: int, topk_length: torch.Tensor | None, multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +104,6 @@ def pad_heads(tensor: torch.Tensor, heads: int, value: float) -> torch.Tensor:
 def row_dot(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """FP32 [T, H]: sum over value dims of dout * out (a Triton kernel on CUDA, no FP32 copies)."""
     if out.is_cuda:
-        from sa_mla.triton.backward import sparse_mla_delta
-
         return sparse_mla_delta(out.contiguous(), dout.contiguous())
     compute = torch.promote_types(out.dtype, torch.float32)
     return (out.to(compute) * dout.to(compute)).sum(dim=-1)

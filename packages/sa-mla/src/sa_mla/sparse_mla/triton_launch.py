@@ -6,8 +6,9 @@ import torch
 import triton
 
 from sa_kernels.backend import triton_interpret
-from sa_mla.triton.unchained import unchain_dots
-from sa_mla.validation import VALUE_DIM
+
+from .reference import VALUE_DIM
+from .triton_chain_break import unchain_dots
 
 LOG2E = 1.4426950408889634
 
@@ -145,7 +146,7 @@ def forward_arguments(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
     """The outputs (out [T, H, 512] in q's dtype, lse [T, H] fp32, uninitialised) and the launch
     arguments (positional, constexpr) that both forward kernels take, the portable one of
-    `forward.py` and the Gluon one of `forward_hopper.py` (absent optional inputs replaced by unread
+    `triton_forward.py` and the Gluon one of `gluon_forward.py` (absent optional inputs replaced by unread
     placeholders)."""
     tokens, heads, head_dim = q.shape
     out = torch.empty(tokens, heads, VALUE_DIM, dtype=q.dtype, device=q.device)

@@ -5,7 +5,7 @@ D = 512 (values only) or 576 (512 value dims + 64 rope dims). A program streams 
 in blocks of BLOCK_K, gathers the latent rows they name (a duplicated id counts once per slot) and writes
 the output and the natural-log lse (sink excluded, +inf when the row has no valid slot).
 
-On Hopper, bf16 inputs go to the warp-specialised Gluon kernel of `forward_hopper.py` instead (same
+On Hopper, bf16 inputs go to the warp-specialised Gluon kernel of `gluon_forward.py` instead (same
 outputs; on the H200 the kernel alone takes 6.01 ms at the issue's shape against 8.05 for this
 one). A launch config given explicitly always runs this kernel.
 """
@@ -14,12 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import triton_interpret
-from sa_mla.triton.launch import LaunchConfig, _launch, forward_arguments, forward_configs
-from sa_mla.triton.unchained import chain_break
+from sa_kernels.backend import device_capability, triton_interpret
+
+from .triton_chain_break import chain_break
+from .triton_launch import LaunchConfig, _launch, forward_arguments, forward_configs
 
 try:
-    from sa_mla.triton.forward_hopper import sparse_mla_forward_hopper
+    from .gluon_forward import sparse_mla_forward_hopper
 except (ImportError, AttributeError):  # no Gluon Hopper ops in this Triton: the portable kernel
     sparse_mla_forward_hopper = None
 
@@ -141,7 +142,7 @@ def hopper_forward_applies(q: torch.Tensor, kv: torch.Tensor) -> bool:
         and kv.stride(-1) == 1
         and kv.stride(0) % 16 == 0
         and kv.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(q.device)[0] == 9
+        and device_capability(q.device.index)[0] == 9
     )
 
 

@@ -8,13 +8,15 @@ A query with no valid slot outputs zeros and receives zero gradients, whatever i
 
 Queries run in chunks so the gathered FP32 keys stay within a fixed budget; under autograd each chunk
 is checkpointed, so the memory held for backward is one chunk's worth too.
+
+`sparse_mla_reference` (the folder's `__init__.py`) is this oracle behind the public argument checks.
 """
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from sa_mla.validation import VALUE_DIM, check_sparse_mla_arguments
-
+VALUE_DIM = 512
+HEAD_DIMS = (512, 576)  # 512 value dims, optionally followed by 64 rope dims
 CHUNK_BYTES = 256 * 2**20
 REFERENCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -28,6 +30,23 @@ def valid_slots(
         slots = torch.arange(topk_indices.shape[-1], device=topk_indices.device)
         valid &= slots < topk_length.clamp(min=0)[:, None]
     return valid
+
+
+def ascending_valid_ids_reference(
+    ids: torch.Tensor, keys: int, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [n, width] (any integer dtype) -> (each row's valid ids ascending, padded with `keys`
+    [n, width] int32; the counts of valid ids [n] int32). Valid: in [0, keys), judged before the
+    cast to int32 (an int64 id such as 2**32 + 3 cannot wrap into a valid one), and with
+    topk_length [n] among the row's first topk_length slots. Duplicates stay (each slot counts once).
+    The definition behind `canonical.canonical_topk`'s compaction and the Triton backward's sorted
+    rows (`triton_sorted_ids.ascending_valid_ids`)."""
+    valid = (ids >= 0) & (ids < keys)
+    if topk_length is not None:
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        valid &= slots[None, :] < topk_length[:, None]
+    ordered = torch.where(valid, ids, keys).to(torch.int32).sort(dim=1).values  # int32 sorts faster
+    return ordered, valid.sum(dim=1, dtype=torch.int32)
 
 
 def _attend_chunk(
@@ -100,75 +119,3 @@ def sparse_mla_reference_with_lse(
     out = torch.cat(outs) if outs else q.new_zeros(0, heads, VALUE_DIM, dtype=compute)
     lse = torch.cat(lses) if lses else q.new_zeros(0, heads, dtype=compute)
     return out.to(q.dtype), lse
-
-
-def sparse_mla_reference(
-    q: torch.Tensor,
-    kv_latent: torch.Tensor,
-    topk_indices: torch.Tensor,
-    softmax_scale: float,
-    topk_length: torch.Tensor | None = None,
-    all_rows_nonempty: bool = False,
-    valid_row_indices: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sparse latent attention, the PyTorch oracle (CPU or GPU; differentiable in q, kv_latent, attn_sink).
-
-    Arguments, shapes and errors as `cudnn_sparse_attention` (q [tokens, heads, 512 | 576],
-    kv_latent [keys, 1, head_dim], topk_indices [tokens, 1, width] int, topk_length [tokens] int,
-    attn_sink [heads] fp32), except: q and kv_latent are bf16, fp16, fp32 or fp64 (attn_sink may be
-    fp64 with fp64 q), and all_rows_nonempty/valid_row_indices are validated and otherwise unused.
-    It runs anywhere, so it raises no RuntimeError.
-
-    Returns:
-        [tokens, heads, 512] in q's dtype; rows with no valid id are zero.
-    """
-    check_sparse_mla_arguments(
-        "sparse_mla_reference",
-        q,
-        kv_latent,
-        topk_indices,
-        softmax_scale,
-        topk_length,
-        all_rows_nonempty,
-        valid_row_indices,
-        attn_sink,
-        allowed_dtypes=REFERENCE_DTYPES,
-    )
-    out, _ = sparse_mla_reference_with_lse(
-        q, kv_latent, topk_indices, softmax_scale, topk_length, attn_sink
-    )
-    return out
-
-
-def dense_masked_reference(
-    q: torch.Tensor,
-    kv_latent: torch.Tensor,
-    topk_indices: torch.Tensor,
-    softmax_scale: float,
-    topk_length: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A second, independent formulation for tests: dense FP64 attention over all keys with slot multiplicity.
-
-    Each key's weight is multiplied by how many valid slots name it, then a plain softmax (plus the sink
-    column) runs over every key. Differentiable; memory O(tokens * heads * keys), so small inputs only.
-    """
-    q64 = q.double()
-    kv = kv_latent[:, 0].double()
-    keys = kv.shape[0]
-    ids = topk_indices[:, 0].long()
-    valid = valid_slots(ids, keys, topk_length)
-    counts = torch.zeros(q.shape[0], keys + 1, dtype=torch.float64, device=q.device)
-    counts.scatter_add_(1, torch.where(valid, ids, keys), valid.double())
-    counts = counts[:, :keys]  # [T, keys]
-    scores = torch.einsum("thd,kd->thk", q64, kv) * softmax_scale
-    scores = scores + torch.log(counts)[:, None, :]  # log 0 = -inf masks unnamed keys
-    if attn_sink is not None:
-        sink = attn_sink.double()[None, :, None].expand(q.shape[0], -1, 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    nonempty = valid.any(dim=-1)
-    safe = torch.where(nonempty[:, None, None], scores, torch.zeros_like(scores))
-    probs = torch.softmax(safe, dim=-1)[..., :keys]
-    out = torch.einsum("thk,kd->thd", probs, kv[:, :VALUE_DIM])
-    return out * nonempty[:, None, None]

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_mla.triton.launch import LOG2E, VALUE_DIM, LaunchConfig, _launch, dkv_configs, dq_configs
-from sa_mla.triton.sorted_ids import ascending_valid_ids
-from sa_mla.triton.unchained import chain_break
+from .triton_chain_break import chain_break
+from .triton_launch import LOG2E, VALUE_DIM, LaunchConfig, _launch, dkv_configs, dq_configs
+from .triton_sorted_ids import ascending_valid_ids
 
 
 @triton.jit
@@ -387,7 +387,7 @@ def sparse_mla_backward(
     q [T, H, D], kv [T_kv, D], dout and out [T, H, 512] (unit last stride), ids [T, W] int,
     topk_length [T] int or None; lse_total [T, H] fp32 is the natural-log lse including the sink
     (+inf for empty rows). The configs (tests and sweeps) replace the launch lists of
-    `sa_mla.triton.launch`.
+    `triton_launch`.
 
     Token chunks alternate between two lanes, each with its own p/ds buffers and, on CUDA, its own
     stream (the caller's and a second one), so one chunk's dkv kernel fills the tail of the other

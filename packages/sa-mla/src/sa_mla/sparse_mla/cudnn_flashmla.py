@@ -1,4 +1,4 @@
-"""`cudnn_sparse_attention`: FlashMLA's sparse prefill forward + the cuDNN frontend's DSA backward.
+"""The fused path's kernels: FlashMLA's sparse prefill forward + the cuDNN frontend's DSA backward.
 
 Neither runtime is a hard dependency. The cuDNN frontend comes with the `cudnn` extra
 (`nvidia-cudnn-frontend>=1.32`, with its CuTe DSL runtime). FlashMLA must be built from its source
@@ -11,8 +11,10 @@ from functools import cache
 
 import torch
 
-from sa_mla.canonical import FusedKernels, fused_sparse_mla
-from sa_mla.validation import VALUE_DIM, check_sparse_mla_arguments
+from sa_kernels.backend import device_capability
+
+from .canonical import FusedKernels, fused_sparse_mla
+from .reference import VALUE_DIM
 
 
 def _flash_mla_sparse_fwd():
@@ -46,7 +48,8 @@ def unavailable_reason(device: torch.device | None = None) -> str | None:
         return "no CUDA device is available"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device}, not CUDA"
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    major, minor = device_capability(index)
     if major not in (9, 10):
         return f"FlashMLA's sparse prefill needs SM90 or SM100; this GPU is SM{major}{minor}"
     return _missing_runtime()
@@ -75,60 +78,7 @@ FLASHMLA_CUDNN = FusedKernels(forward=_forward, backward=_backward)
 CUDNN_DTYPES = (torch.bfloat16,)
 
 
-def cudnn_sparse_attention(
-    q: torch.Tensor,
-    kv_latent: torch.Tensor,
-    topk_indices: torch.Tensor,
-    softmax_scale: float,
-    topk_length: torch.Tensor | None = None,
-    all_rows_nonempty: bool = False,
-    valid_row_indices: torch.Tensor | None = None,
-    attn_sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sparse latent attention: FlashMLA forward, cuDNN frontend backward (SM90/SM100, bf16).
-
-    MQA over one latent head: keys are whole latent rows, values their first 512 dims. This is the
-    contract (SEMANTICS §3) that `sparse_mla_triton`, `sparse_mla_reference` and `sparse_mla_attention`
-    share; they differ in the dtypes they take and where they run.
-
-    Args:
-        q: [tokens, heads, 512 | 576] bf16, unit last stride. Any head count: heads run in chunks of
-            128, each padded to 64 or 128 with zero queries (and -inf sinks) for FlashMLA.
-        kv_latent: [keys, 1, head_dim] bf16.
-        topk_indices: [tokens, 1, width] int32/int64; ids outside `[0, keys)` (e.g. -1) are ignored,
-            a duplicate id counts once per slot. Without `topk_length`, valid ids are compacted into an
-            ascending prefix; either way the width is padded with -1 to a multiple of 512.
-        softmax_scale: > 0, multiplies q·k.
-        topk_length: optional [tokens] int; slots at or past it are ignored (clamped to `[0, width]`).
-        all_rows_nonempty: promise that every row has a valid id; the backward then skips finding the
-            non-empty rows (a host synchronisation).
-        valid_row_indices: optional [rows] int, exactly the rows with a valid id (same purpose).
-        attn_sink: optional [heads] fp32 logits added to each head's softmax denominator; its gradient
-            is `-sum_q sigmoid(sink - lse) * sum_d dO * O`.
-    Returns:
-        [tokens, heads, 512] bf16; rows with no valid id are zero and get zero gradients.
-    Raises:
-        RuntimeError: FlashMLA or the cuDNN frontend is missing, the tensors are not on CUDA, or the GPU
-            is not SM90/SM100.
-        TypeError: a dtype is not bf16/int/fp32 as listed, or softmax_scale is not a number.
-        ValueError: shapes disagree, head_dim is not 512/576, softmax_scale <= 0, or the optional
-            arguments contradict each other.
-    """
-    args = (
-        q,
-        kv_latent,
-        topk_indices,
-        softmax_scale,
-        topk_length,
-        all_rows_nonempty,
-        valid_row_indices,
-        attn_sink,
-    )
-    check_sparse_mla_arguments("cudnn_sparse_attention", *args, allowed_dtypes=CUDNN_DTYPES)
-    return _cudnn_sparse_attention(*args)
-
-
-def _cudnn_sparse_attention(q: torch.Tensor, kv_latent: torch.Tensor, *rest) -> torch.Tensor:
+def cudnn_fused_attention(q: torch.Tensor, kv_latent: torch.Tensor, *rest) -> torch.Tensor:
     """`cudnn_sparse_attention` on arguments already validated (`rest`: topk_indices through attn_sink,
     in order); raises its RuntimeError when the fused path cannot run here."""
     reason = unavailable_reason(q.device)

@@ -1,8 +1,11 @@
-"""Random sparse MLA problems and error measures shared by the tests and the benchmarks."""
+"""Test support, not part of the API: random sparse MLA problems and error measures for this package's
+tests (`conftest.py` puts this folder on the import path)."""
 
 from dataclasses import dataclass
 
 import torch
+
+from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,6 @@ def errors_against_oracle(fn, problem: SparseMlaProblem, **hints) -> dict[str, f
 
     Also asserts what holds exactly: finite results, rows without a valid id output zero and get zero dq.
     """
-    from sa_mla.reference import sparse_mla_reference_with_lse
-
     p = problem
     inputs = p.grad_inputs()
     oracle_inputs = [t.detach().float().requires_grad_() for t in inputs]

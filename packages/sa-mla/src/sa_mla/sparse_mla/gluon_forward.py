@@ -1,11 +1,11 @@
-"""Sparse MLA forward for Hopper in Gluon: warp-specialised gathers, the math as in `forward.py`.
+"""Sparse MLA forward for Hopper in Gluon: warp-specialised gathers, the math as in `triton_forward.py`.
 
-The portable kernel (`forward.py`) issues its key gathers from the same warps that run the dots, so
+The portable kernel (`triton_forward.py`) issues its key gathers from the same warps that run the dots, so
 the tensor cores wait while the warps compute addresses and issue copies. Here a producer
 partition of four warps gathers each slot block's latent rows into a ring of shared-memory stages
 (asynchronous copies, signalled through mbarriers) while the eight consumer warps (two warpgroups)
 run the score dot, the online softmax and the value dot with Hopper's warpgroup MMA. The math,
-the masking and the outputs are those of `forward.py`: one program per (head block of 64, query
+the masking and the outputs are those of `triton_forward.py`: one program per (head block of 64, query
 token), slots in blocks of 64, online softmax in base 2, out [T, H, 512] and the natural-log lse.
 
 Shared memory: q (64 × 576 bf16, 72 KiB), two key stages (2 × 72 KiB) and the bf16 probabilities
@@ -14,7 +14,7 @@ the producer `PRODUCER_REGISTERS` per thread and the consumers the rest (offline
 with Triton 3.6, 8 bytes with the lock file's 3.9, where 56 would give none; only 3.6 has run it).
 
 Gluon has no interpreter: this kernel runs only on SM90 GPUs and is tested there (`gpu` tests against
-the oracle and the portable kernel); elsewhere `forward.py`'s kernel runs.
+the oracle and the portable kernel); elsewhere `triton_forward.py`'s kernel runs.
 """
 
 import torch
@@ -30,7 +30,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from sa_kernels.gluon_compat import async_gather, cta_barrier
-from sa_mla.triton.launch import LOG2E, forward_arguments
+
+from .triton_launch import LOG2E, forward_arguments
 
 # Constants inside the kernels (JIT code reads globals only as constexprs).
 LOG2E_IN_KERNEL = gl.constexpr(LOG2E)
@@ -327,12 +328,12 @@ def sparse_mla_forward_hopper(
     topk_length: torch.Tensor | None,
     attn_sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Hopper forward: (out [T, H, 512] bf16, lse [T, H] fp32), as `forward.sparse_mla_forward`.
+    """The Hopper forward: (out [T, H, 512] bf16, lse [T, H] fp32), as `triton_forward.sparse_mla_forward`.
 
     Args:
         q: [T, H, D] bf16, D 512 or 576, unit last stride.
         kv: [T_kv, D] bf16, unit last stride, row stride and data pointer 16-byte aligned (the
-            gathers copy 16 bytes at a time); `forward.hopper_forward_applies` checks all of this.
+            gathers copy 16 bytes at a time); `triton_forward.hopper_forward_applies` checks all of this.
         ids: [T, W] int32; ids outside [0, T_kv) are invalid slots, a repeated id counts per slot.
         softmax_scale: the scores' scale (the kernel works in base 2).
         topk_length: [T] int32 or None: only the first `topk_length[t]` slots of row t count.

@@ -16,13 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from sa_kernels.backend import device_capability
+
 
 def unchain_dots(device: torch.device) -> bool:
     """Whether the kernels break their dot chains on `device`: on Hopper (sm_90), where the
     duplicated scores were seen and the fix measured. Elsewhere (sm_80's MMA layouts differ, Blackwell's
     were not looked at) and on CPU tensors (the interpreter tests) `chain_break` is the identity itself.
-    (torch caches the device properties behind the capability.)"""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    `device`: a tensor's device (a CUDA one names its index)."""
+    return device.type == "cuda" and device_capability(device.index)[0] == 9
 
 
 @triton.jit
