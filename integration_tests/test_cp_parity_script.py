@@ -88,6 +88,15 @@ def test_cp_parity_passes_for_both_models_plain_and_packed_and_fsdp2_2ranks(tmp_
     assert all(len(c["losses"]) == len(c["reference_losses"]) == 2 for c in training)
 
 
+def _one_rank(monkeypatch) -> None:
+    """The environment torchrun gives a world of one rank (the script then runs in this process)."""
+    for name, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"
+    ).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+
+
 def test_cp_parity_fails_when_the_cp_run_sees_a_wrong_shard(tmp_path, monkeypatch):
     """One rank in this process: the CP run (a group of one rank) gets one token changed, which
     the logits, loss and gradient checks must catch."""
@@ -104,11 +113,7 @@ def test_cp_parity_fails_when_the_cp_run_sees_a_wrong_shard(tmp_path, monkeypatc
         return honest(kind, model, batch, shard, group)
 
     monkeypatch.setattr(parity.cpm, "run", tampered)
-    for name, value in dict(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1"
-    ).items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    _one_rank(monkeypatch)
     report_path = tmp_path / "parity.json"
     code = parity.main(
         ["--device", "cpu", "--tokens", "32", "--model", "qsa", "--json", str(report_path)]
@@ -118,6 +123,22 @@ def test_cp_parity_fails_when_the_cp_run_sees_a_wrong_shard(tmp_path, monkeypatc
     failed = {c["check"] for c in report["checks"] if not c["pass"]}
     assert {"logits", "loss"} <= failed
     assert any(name.startswith("grads (") for name in failed)
+
+
+def test_cp_parity_trains_a_bf16_model_under_fsdp2_with_its_fp32_weights_kept_whole(
+    tmp_path, monkeypatch
+):
+    """BF16 models keep FP32 norms and indexer weights, which one FSDP2 group cannot hold with the
+    BF16 ones (the GPU configuration): they stay whole, their gradients averaged by hand."""
+    parity = _load(PARITY)
+    _one_rank(monkeypatch)
+    report_path = tmp_path / "parity.json"
+    args = ["--device", "cpu", "--dtype", "bf16", "--tokens", "32", "--model", "step5"]
+    code = parity.main([*args, "--fsdp-dp", "1", "--steps", "2", "--json", str(report_path)])
+    report = json.loads(report_path.read_text())
+    assert code == 0 and report["passed"] and report["dtype"] == "bfloat16"
+    (training,) = [c for c in report["checks"] if c["check"].startswith("FSDP2 dp 1 × cp 1")]
+    assert training["losses"][1] != training["losses"][0]  # the step moved the weights
 
 
 def test_bench_cp_scaling_smoke_writes_record_rows_with_efficiency_2ranks(tmp_path):

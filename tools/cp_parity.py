@@ -203,7 +203,7 @@ def parity_case(args, kind: str, packed: bool, tokens: int, group, device) -> li
 def train_reference(args, kind, batches, device) -> torch.Tensor:
     """Rank 0: the model trained unsharded on every row (their mean objective per step)."""
     model = prepare(args, kind, device)
-    optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=args.lr)
+    optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=args.lr, foreach=False)
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -217,22 +217,45 @@ def train_reference(args, kind, batches, device) -> torch.Tensor:
     return torch.stack(losses)
 
 
+def shard_model(model, mesh) -> list[torch.nn.Parameter]:
+    """fully_shard every decoder layer, then the root (embedding, final norm, LM head). Parameters
+    not in the model's dtype (the FP32 norms and indexer weights of a BF16 model; an FSDP2 group
+    holds one dtype) stay whole on every rank; they are returned, for `average_kept_grads`."""
+    dtype = model.embed_tokens.weight.dtype
+    kept = [p for p in model.parameters() if p.dtype != dtype]
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=set(kept))
+    fully_shard(model, mesh=mesh, ignored_params=set(kept))
+    return kept
+
+
+def average_kept_grads(kept: list[torch.nn.Parameter]) -> None:
+    """Average the gradients of the parameters FSDP does not shard over every rank (one
+    all-reduce): what FSDP's reduce-scatter does for the others."""
+    with_grad = [p for p in kept if p.grad is not None]
+    if not with_grad:
+        return
+    flat = torch.cat([p.grad.float().flatten() for p in with_grad])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for p, g in zip(with_grad, flat.split([p.numel() for p in with_grad]), strict=True):
+        p.grad.copy_(g.view_as(p.grad))
+
+
 def train_sharded(args, kind, batches, mesh, device) -> torch.Tensor:
     """Every rank: FSDP2 over the flattened dp × cp mesh, this rank's row sharded over its CP
     group; the world's mean objective per step."""
     dp, cp = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
     cp_group, cp_size = mesh["cp"].get_group(), mesh["cp"].size()
     model = prepare(args, kind, device)
-    flat = mesh["dp", "cp"]._flatten("dp_cp")
-    for layer in model.layers:
-        fully_shard(layer, mesh=flat)
-    fully_shard(model, mesh=flat)
-    optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=args.lr)
+    kept = shard_model(model, mesh["dp", "cp"]._flatten("dp_cp"))
+    optimizer = torch.optim.AdamW([p for _, p in trainable(model)], lr=args.lr, foreach=False)
     losses = []
     for _ in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = cpm.objective(cpm.run(kind, model, batches[dp], shard=(cp, cp_size), group=cp_group))
         loss.backward()
+        average_kept_grads(kept)
         optimizer.step()
         losses.append(loss.detach().float())
     losses = torch.stack(losses)

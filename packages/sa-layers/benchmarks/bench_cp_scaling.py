@@ -14,7 +14,7 @@ it), one row of random tokens sharded contiguously over every rank. Rows:
 Step time is the median over `--reps` steps (one warm-up step first) of the slowest rank's CUDA-
 event time, the ranks lined up by a barrier before each step. Communication is the NCCL kernel
 time of one profiled step (torch.profiler; gloo's collective time on the CPU), the slowest rank's;
-peak memory is the largest rank's `max_memory_allocated` of a step (weights included). The world-
+peak memory is the largest rank's `max_memory_allocated` in that step (weights included). The world-
 size-1 times come from `--baseline-json` (the rows of a world-size-1 run of this script), or are
 the run itself at world size 1, or else rank 0 measures them alone in the same job. Rows follow
 `tools/bench_records.py` (`--json PATH`, rewritten after every row: docs/results/cp_scaling.json
@@ -105,16 +105,13 @@ def measure(args, kind: str, local: int, group, device: torch.device) -> Measure
         step, reps=args.reps, device=device, before=lambda: dist.barrier(group=group)
     )
     times = cpm.all_ranks_max(times, device, group)
-    peak = peak_gib(step, device, absolute=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier(group=group)
     with profile(activities=activities) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    comm, peak_value = cpm.all_ranks_max([comm_ms(prof, device), peak or 0.0], device, group)
+        peak = peak_gib(step, device, absolute=True)  # synchronises the device
+    comm, peak_max = cpm.all_ranks_max([comm_ms(prof, device), peak or 0.0], device, group)
     return Measured(
-        statistics.median(times), comm if size > 1 else None, None if peak is None else peak_value
+        statistics.median(times), comm if size > 1 else None, None if peak is None else peak_max
     )
 
 
