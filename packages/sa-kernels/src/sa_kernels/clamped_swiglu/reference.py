@@ -18,7 +18,10 @@ def clamped_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, limit: float) -
     if limit > 0:
         a = a.clamp(max=limit)
         u = u.clamp(-limit, limit)
-    return (a * u).to(gate.dtype)
+    out = a * u
+    # no `.to()` when the dtype already fits: under torch.compile on torch 2.11 an autograd.Function
+    # output that a no-op `.to()` returned gets zero gradients
+    return out if out.dtype == gate.dtype else out.to(gate.dtype)
 
 
 def clamped_swiglu_backward(

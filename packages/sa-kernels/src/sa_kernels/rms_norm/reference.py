@@ -34,7 +34,9 @@ def rms_norm_forward(
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     scale = rms_norm_scale(weight, x.dtype, zero_centered, weight_in_activation_dtype)
     y = xf * rstd.unsqueeze(-1) * scale
-    return y.to(output_dtype), rstd
+    # no `.to()` when the dtype already fits: under torch.compile on torch 2.11 an autograd.Function
+    # output that a no-op `.to()` returned gets zero gradients
+    return (y if y.dtype == output_dtype else y.to(output_dtype)), rstd
 
 
 def rms_norm_backward(
