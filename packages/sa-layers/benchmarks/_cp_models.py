@@ -62,7 +62,7 @@ def init_distributed(backend: str, device_type: str) -> tuple[int, int, torch.de
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -26,15 +26,18 @@ From the repo root, the workspace packages importable:
     # world size 1 (also what `python tools/gpu_tests.py --bench cp_scaling` runs)
     python packages/sa-layers/benchmarks/bench_cp_scaling.py --json cp_scaling_1gpu.json
     torchrun --nproc-per-node 1 packages/sa-layers/benchmarks/bench_cp_scaling.py --json cp_scaling_1gpu.json
-    # 2, 4, 8 GPUs against that baseline (8 GPUs: 512k global tokens at 64k per GPU as well)
-    torchrun --nproc-per-node 2 packages/sa-layers/benchmarks/bench_cp_scaling.py --baseline-json cp_scaling_1gpu.json --json cp_scaling_2gpu.json
-    torchrun --nproc-per-node 4 packages/sa-layers/benchmarks/bench_cp_scaling.py --baseline-json cp_scaling_1gpu.json --json cp_scaling_4gpu.json
-    torchrun --nproc-per-node 8 packages/sa-layers/benchmarks/bench_cp_scaling.py --tokens-per-gpu 32768 65536 --baseline-json cp_scaling_1gpu.json --json cp_scaling_8gpu.json
+    # 2, 4, 8 GPUs against that baseline, every row gathered in one file (8 GPUs: 512k global
+    # tokens at 64k per GPU as well)
+    cp cp_scaling_1gpu.json cp_scaling.json
+    torchrun --nproc-per-node 2 packages/sa-layers/benchmarks/bench_cp_scaling.py --baseline-json cp_scaling_1gpu.json --json cp_scaling.json --append
+    torchrun --nproc-per-node 4 packages/sa-layers/benchmarks/bench_cp_scaling.py --baseline-json cp_scaling_1gpu.json --json cp_scaling.json --append
+    torchrun --nproc-per-node 8 packages/sa-layers/benchmarks/bench_cp_scaling.py --tokens-per-gpu 32768 65536 --baseline-json cp_scaling_1gpu.json --json cp_scaling.json --append
     # the code paths at tiny sizes on CPU gloo ranks (not a measurement)
     torchrun --nproc-per-node 2 packages/sa-layers/benchmarks/bench_cp_scaling.py --smoke
 
 The 64k-per-GPU baseline of the 8-GPU line needs `--tokens-per-gpu 32768 65536` in the 1-GPU run
-too; without a baseline row a row has no ratio.
+too; without a baseline row a row has no ratio. cp_scaling.json's rows are then the record rows of
+docs/results/cp_scaling.json (`bench_records.write_records` adds the environment).
 """
 
 from __future__ import annotations
@@ -108,7 +111,11 @@ def measure(args, kind: str, local: int, group, device: torch.device) -> Measure
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier(group=group)
     with profile(activities=activities) as prof:
-        peak = peak_gib(step, device, absolute=True)  # synchronises the device
+        if device.type == "cuda":
+            peak = peak_gib(step, device, absolute=True)  # synchronises the device
+        else:
+            step()
+            peak = None
     comm, peak_max = cpm.all_ranks_max([comm_ms(prof, device), peak or 0.0], device, group)
     return Measured(
         statistics.median(times), comm if size > 1 else None, None if peak is None else peak_max
@@ -220,7 +227,12 @@ def parse_args(argv=None):
         "--smoke", action="store_true", help="tiny models on CPU gloo ranks: the code paths only"
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda unless --smoke")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="write the rows here (a list of record rows)")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows already in --json, replacing those of the same what and shape",
+    )
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.smoke or not cuda else "cuda")
     if args.device == "cuda" and not cuda:
@@ -272,6 +284,10 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
             return cache[key]
 
+        earlier = []
+        if args.append and args.json and os.path.exists(args.json):
+            with open(args.json) as f:
+                earlier = json.load(f)
         rows: list[dict] = []
         for kind in args.kinds:
             jobs = [("weak", t * world, t) for t in args.tokens_per_gpu]
@@ -291,8 +307,10 @@ def main(argv=None) -> None:
                 print(json.dumps(rows[-1], ensure_ascii=False), flush=True)
                 log(f"{kind} {mode} {global_tokens} on {world}", started)
                 if args.json:  # after every row: a later failure keeps what was measured
+                    new = {(r["what"], r["shape"]) for r in rows}
+                    kept = [r for r in earlier if (r["what"], r["shape"]) not in new]
                     with open(args.json, "w") as f:
-                        json.dump(rows, f, indent=1, ensure_ascii=False)
+                        json.dump(kept + rows, f, indent=1, ensure_ascii=False)
     finally:
         dist.destroy_process_group()
 
