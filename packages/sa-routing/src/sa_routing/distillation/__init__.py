@@ -47,17 +47,21 @@ over rows or packed documents of length L, `QSAIndexerConfig.dense_positions`; C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal
 
 import torch
 
+from sa_kernels.backend import has_triton, triton_interpret
+
 from ..qsa.lengths import _is_int, packed_block_starts, validate_cu_seqlens
 from ..step5.layouts import RegionMetadata, RegionSelection
-from .blockwise import DistillationProblem, distillation_sum
+from .blockwise import DistillationProblem, distillation_sum, merge_tiles
 from .units import csa_problem, qsa_problem
 
 __all__ = [
+    "Backend",
     "IndexerTraining",
     "csa_indexer_distillation_loss",
     "qsa_indexer_distillation_loss",
@@ -66,8 +70,14 @@ __all__ = [
 IndexerTraining = Literal["dense_warmup", "sparse"]
 """The distillation modes; a model's `indexer_training` switch adds "off" (no loss)."""
 
+Backend = Literal["auto", "triton", "torch"]
+"""How the target is computed: Triton kernels or the blockwise PyTorch loop ("auto": by device)."""
+
 _MODES = ("dense_warmup", "sparse")
 _REDUCTIONS = ("mean", "sum")
+_BACKENDS = ("auto", "triton", "torch")
+_QUERY_BLOCK = 256  # queries per tile when query_block is None
+_TILE_ELEMENTS = 1 << 25  # the Triton path's merged tiles: G * rows * units FP32 elements at most
 
 
 class _DistillationLoss(torch.autograd.Function):
@@ -124,8 +134,9 @@ def qsa_indexer_distillation_loss(
     query_start: int = 0,
     lse: torch.Tensor | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    query_block: int = 256,
+    query_block: int | None = None,
     key_block: int = 2048,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """KL distillation loss of the QSA indexer's block logits to the main attention (SEMANTICS §2).
 
@@ -159,7 +170,11 @@ def qsa_indexer_distillation_loss(
             scores, as its forward returns it (over every visible key in "dense_warmup", over the
             route's keys in "sparse"); None computes it (one more pass over the keys).
         reduction: "mean" over this call's sparse queries (0 when there are none) or "sum".
-        query_block: queries per tile. key_block: keys per streamed block.
+        query_block: queries per tile; None: 256, and on the Triton path adjacent tiles merged while
+            a tile's FP32 `[rows, blocks]` target stays within 32M elements (128 MiB).
+        key_block: keys per streamed block of the PyTorch path.
+        backend: "auto" (Triton for CUDA tensors, the PyTorch loop on CPU), "triton" (on CPU only
+            under `TRITON_INTERPRET=1`) or "torch" (the blockwise PyTorch loop).
     Returns:
         float32 scalar, differentiable with respect to `index_queries` and `compressed_keys`.
     Raises:
@@ -173,6 +188,7 @@ def qsa_indexer_distillation_loss(
     batch, queries, heads = _check_main(fn, query, key, query_start)
     total = key.shape[1]
     _check_choices(fn, mode, reduction, query_block, key_block)
+    backend = _resolve_backend(fn, backend, query)
     for name, value in (("token_budget", token_budget), ("compress_ratio", compress_ratio)):
         if not _is_int(value):
             raise TypeError(f"{fn}: {name} must be an int; got {value!r}")
@@ -244,9 +260,11 @@ def qsa_indexer_distillation_loss(
         routes=routes if mode == "sparse" else None,
         softmax_scale=_scale(fn, softmax_scale, query),
         lse=None if lse is None else lse.detach(),
-        query_block=query_block,
+        query_block=query_block or _QUERY_BLOCK,
         key_block=key_block,
+        backend=backend,
     )
+    problem = _merged(problem, query_block, 1)
     return _DistillationLoss.apply(
         index_queries.unsqueeze(2),
         None,
@@ -270,8 +288,9 @@ def csa_indexer_distillation_loss(
     softmax_scale: float | None = None,
     lse: torch.Tensor | None = None,
     reduction: Literal["mean", "sum"] = "mean",
-    query_block: int = 256,
+    query_block: int | None = None,
     key_block: int = 2048,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """KL distillation loss of the Step-5 indexer's region scores to the main attention (SEMANTICS §1.2).
 
@@ -302,8 +321,12 @@ def csa_indexer_distillation_loss(
             scores, as its forward returns it (over every visible key in "dense_warmup", over the
             selected regions' visible keys in "sparse"); None computes it.
         reduction: "mean" over this shard's sparse queries (0 when there are none) or "sum".
-        query_block: queries per tile (the metadata's score tiles, merged or split). key_block: keys
-            per streamed block.
+        query_block: queries per tile (the metadata's score tiles, merged or split); None: 256, and
+            on the Triton path tiles merged while a tile's FP32 `[G, rows, regions]` target stays
+            within 32M elements (128 MiB).
+        key_block: keys per streamed block of the PyTorch path.
+        backend: "auto" (Triton for CUDA tensors, the PyTorch loop on CPU), "triton" (on CPU only
+            under `TRITON_INTERPRET=1`) or "torch" (the blockwise PyTorch loop).
     Returns:
         float32 scalar, differentiable with respect to `index_queries`, `index_weights` and
         `region_summaries`.
@@ -318,6 +341,7 @@ def csa_indexer_distillation_loss(
         raise TypeError(f"{fn}: metadata must be a RegionMetadata; got {type(metadata).__name__}")
     batch, queries, heads = _check_main(fn, query, key, metadata.query_start)
     _check_choices(fn, mode, reduction, query_block, key_block)
+    backend = _resolve_backend(fn, backend, query)
     want = (metadata.batch_size, metadata.queries, metadata.global_length)
     if (batch, queries, key.shape[1]) != want:
         raise ValueError(
@@ -372,9 +396,11 @@ def csa_indexer_distillation_loss(
         region_ids=region_ids if mode == "sparse" else None,
         softmax_scale=_scale(fn, softmax_scale, query),
         lse=None if lse is None else lse.detach(),
-        query_block=query_block,
+        query_block=query_block or _QUERY_BLOCK,
         key_block=key_block,
+        backend=backend,
     )
+    problem = _merged(problem, query_block, groups)
     return _DistillationLoss.apply(
         index_queries, index_weights, region_summaries, problem, 1.0, reduction
     )
@@ -410,14 +436,46 @@ def _check_main(
     return batch, queries, heads
 
 
-def _check_choices(fn: str, mode: str, reduction: str, query_block: int, key_block: int) -> None:
+def _check_choices(
+    fn: str, mode: str, reduction: str, query_block: int | None, key_block: int
+) -> None:
     if mode not in _MODES:
         raise ValueError(f"{fn}: mode must be one of {_MODES}; got {mode!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{fn}: reduction must be one of {_REDUCTIONS}; got {reduction!r}")
-    for name, value in (("query_block", query_block), ("key_block", key_block)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{fn}: {name} must be a positive int; got {value!r}")
+    if query_block is not None and (not _is_int(query_block) or query_block < 1):
+        raise ValueError(f"{fn}: query_block must be a positive int or None; got {query_block!r}")
+    if not _is_int(key_block) or key_block < 1:
+        raise ValueError(f"{fn}: key_block must be a positive int; got {key_block!r}")
+
+
+def _resolve_backend(fn: str, backend: str, query: torch.Tensor) -> str:
+    """The path for `backend` on `query`'s device ("triton" or "torch"), or raise saying why not."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {_BACKENDS}; got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if query.is_cuda and has_triton() else "torch"
+    if not has_triton():
+        raise RuntimeError(
+            f"{fn}: backend='triton' needs the triton package, which is not installed"
+        )
+    if not query.is_cuda and not triton_interpret():
+        raise RuntimeError(
+            f"{fn}: backend='triton' on {query.device.type} tensors needs TRITON_INTERPRET=1 "
+            "(Triton's interpreter); use CUDA tensors or backend='torch'"
+        )
+    return "triton"
+
+
+def _merged(
+    problem: DistillationProblem, query_block: int | None, groups: int
+) -> DistillationProblem:
+    """The problem with its tiles merged up to `_TILE_ELEMENTS` (Triton path, automatic tiles)."""
+    if query_block is not None or problem.backend != "triton":
+        return problem
+    return dataclasses.replace(problem, tiles=merge_tiles(problem.tiles, groups, _TILE_ELEMENTS))
 
 
 def _check_floating(fn: str, **tensors: torch.Tensor) -> None:

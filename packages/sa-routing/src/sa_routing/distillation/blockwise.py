@@ -67,7 +67,11 @@ class DistillationProblem:
         lse: float32 [B, Q, H] natural log-sum-exp of the main attention's scaled scores over the keys
             it attends, or None (computed).
         tiles: the host tiles; together they cover every loss row once.
-        key_block: keys per streamed block.
+        key_block: keys per streamed block (the PyTorch path).
+        backend: "torch" (the blockwise PyTorch loop) or "triton" (`triton_kernels`).
+        document_start: int64 [B, Q], the first key row of each query's document ("triton" only).
+        unit_rows: int32 [B, U, UNIT], the key row of each slot of each unit (UNIT a power of two),
+            -1 for none ("triton" only).
     """
 
     query: torch.Tensor
@@ -86,6 +90,9 @@ class DistillationProblem:
     lse: torch.Tensor | None
     tiles: tuple[DistillationTile, ...]
     key_block: int
+    backend: str = "torch"
+    document_start: torch.Tensor | None = None
+    unit_rows: torch.Tensor | None = None
 
 
 def split_rows(
@@ -102,6 +109,33 @@ def split_rows(
         q1 = min(q0 + query_block, stop)
         tiles.append(DistillationTile(batch, q0, q1, *ranges(q0, q1)))
     return tiles
+
+
+def merge_tiles(
+    tiles: tuple[DistillationTile, ...], groups: int, budget: int
+) -> tuple[DistillationTile, ...]:
+    """Adjacent tiles of one batch row merged while `groups · rows · units` stays within `budget`
+    elements (the size of the tile's FP32 target and logits)."""
+    merged: list[DistillationTile] = []
+    for tile in tiles:
+        last = merged[-1] if merged else None
+        if last is not None and last.batch == tile.batch and last.query_stop == tile.query_start:
+            unit_start = min(last.unit_start, tile.unit_start)
+            unit_stop = max(last.unit_stop, tile.unit_stop)
+            rows = tile.query_stop - last.query_start
+            if groups * rows * (unit_stop - unit_start) <= budget:
+                merged[-1] = DistillationTile(
+                    tile.batch,
+                    last.query_start,
+                    tile.query_stop,
+                    unit_start,
+                    unit_stop,
+                    min(last.key_start, tile.key_start),
+                    max(last.key_stop, tile.key_stop),
+                )
+                continue
+        merged.append(tile)
+    return tuple(merged)
 
 
 def _candidates(problem: DistillationProblem, tile: DistillationTile) -> torch.Tensor:
@@ -198,6 +232,95 @@ def _target(
     return torch.where(norm > 0, target / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
 
 
+@dataclass(frozen=True)
+class _TritonState:
+    """Per-problem inputs of the Triton target: the per-head LSE (given, computed for every query in
+    "dense_warmup", or filled tile by tile in "sparse") and the sorted selections ("sparse")."""
+
+    lse: torch.Tensor  # float32 [B, Q, H], contiguous
+    compute_lse: bool  # "sparse" only: the kernels fill each tile's rows of `lse`
+    sorted_units: torch.Tensor | None  # int32 [B, G, Q, K], ascending, invalid ids (= U) last
+
+
+def _triton_state(problem: DistillationProblem) -> _TritonState:
+    from .triton_kernels import dense_lse
+
+    query = problem.query
+    batch, queries, heads = query.shape[:3]
+    given = problem.lse
+    if given is not None:
+        given = given.float()
+        given = torch.where(torch.isfinite(given), given, float("inf")).contiguous()
+    if problem.selected_units is None:
+        lse = given
+        if lse is None:
+            lse = dense_lse(
+                query,
+                problem.key,
+                problem.key_documents,
+                problem.query_documents,
+                problem.document_start,
+                query_start=problem.query_start,
+                softmax_scale=problem.softmax_scale,
+            )
+        return _TritonState(lse, False, None)
+    count = problem.unit_rows.shape[1]
+    selected = problem.selected_units
+    valid = (selected >= 0) & (selected < count)
+    ordered = torch.where(valid, selected, count).sort(dim=-1).values.to(torch.int32)
+    if given is None:
+        lse = torch.full((batch, queries, heads), float("inf"), device=query.device)
+        return _TritonState(lse, True, ordered)
+    return _TritonState(given, False, ordered)
+
+
+def _triton_target(
+    problem: DistillationProblem,
+    tile: DistillationTile,
+    candidates: torch.Tensor,
+    state: _TritonState,
+) -> torch.Tensor:
+    """`_target` from the Triton kernels (`triton_kernels.dense_mass` / `sparse_mass`)."""
+    from .triton_kernels import dense_mass, sparse_mass
+
+    b, q0, q1 = tile.batch, tile.query_start, tile.query_stop
+    units = tile.unit_stop - tile.unit_start
+    common = dict(
+        query=problem.query[b],
+        key=problem.key[b],
+        lse=state.lse[b],
+        unit_rows=problem.unit_rows[b],
+        key_documents=problem.key_documents[b],
+        query_documents=problem.query_documents[b],
+        rows=(q0, q1),
+        query_start=problem.query_start,
+        softmax_scale=problem.softmax_scale,
+    )
+    if state.sorted_units is None:
+        mass = dense_mass(
+            **common,
+            candidate_start=problem.candidate_start[b],
+            candidate_stop=problem.candidate_stop[b],
+            groups=problem.groups,
+            units=(tile.unit_start, tile.unit_stop),
+        )
+    else:
+        ordered = state.sorted_units[b]
+        slots = sparse_mass(
+            **common,
+            suffix_start=problem.suffix_start[b],
+            sorted_units=ordered,
+            compute_lse=state.compute_lse,
+        )  # [G, rows, K]
+        relative = ordered[:, q0:q1].long() - tile.unit_start
+        inside = (relative >= 0) & (relative < units)
+        mass = torch.zeros(problem.groups, q1 - q0, units + 1, device=slots.device)
+        mass = mass.scatter_add_(2, torch.where(inside, relative, units), slots)[..., :units]
+    target = mass * candidates
+    norm = target.sum(dim=-1, keepdim=True)
+    return torch.where(norm > 0, target / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
 def _index_dots(queries: torch.Tensor, keys: torch.Tensor, head: int) -> torch.Tensor:
     """[G, rows, units] dots of one index head: queries [rows, G, Hi, Di], keys [units, Di]."""
     return torch.matmul(queries[:, :, head].transpose(0, 1), keys.t())
@@ -234,6 +357,10 @@ def distillation_sum(
     d_keys = torch.zeros_like(unit_keys, dtype=torch.float32) if want_k else None
     backward = want_q or want_w or want_k
     total = torch.zeros((), device=device)
+    state = None
+    if problem.backend == "triton" and problem.tiles:
+        with torch.no_grad():
+            state = _triton_state(problem)
     for tile in problem.tiles:
         b, q0, q1, u0, u1 = (
             tile.batch,
@@ -244,7 +371,10 @@ def distillation_sum(
         )
         candidates = _candidates(problem, tile)
         with torch.no_grad():
-            target = _target(problem, tile, candidates)
+            if state is None:
+                target = _target(problem, tile, candidates)
+            else:
+                target = _triton_target(problem, tile, candidates, state)
         queries = index_queries[b, q0:q1].float()  # [rows, G, Hi, Di]
         keys = unit_keys[b, u0:u1].float()  # [units, Di]
         coefficients = (

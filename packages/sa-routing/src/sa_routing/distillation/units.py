@@ -40,6 +40,7 @@ def qsa_problem(
     lse: torch.Tensor | None,
     query_block: int,
     key_block: int,
+    backend: str = "torch",
 ) -> DistillationProblem:
     """The QSA problem of validated inputs (`lengths` for right padding or `bounds` for packing)."""
     batch, queries = query.shape[:2]
@@ -47,6 +48,7 @@ def qsa_problem(
     device = query.device
     c, kept = compress_ratio, token_budget // compress_ratio
     token = torch.arange(total, device=device)
+    unit_count = total // c if bounds is None else packed_block_starts(bounds, c)[-1]
     if bounds is None:
         length = torch.tensor(lengths, device=device)[:, None]  # [B, 1]
         key_documents = torch.where(token < length, 0, -1)
@@ -107,6 +109,11 @@ def qsa_problem(
             )
 
         tiles += split_rows(b, first + skip, first + seg.rows, query_block, ranges)
+    document_start = unit_rows = None
+    if backend == "triton":
+        start_row = torch.arange(query_start, query_start + queries, device=device)
+        document_start = (start_row - positions[:, rows]).expand(batch, queries)
+        unit_rows = _qsa_unit_rows(key_units, positions, c, unit_count)
     return DistillationProblem(
         query=query,
         key=key,
@@ -124,7 +131,23 @@ def qsa_problem(
         lse=lse,
         tiles=tuple(tiles),
         key_block=key_block,
+        backend=backend,
+        document_start=document_start,
+        unit_rows=unit_rows,
     )
+
+
+def _qsa_unit_rows(
+    key_units: torch.Tensor, positions: torch.Tensor, c: int, count: int
+) -> torch.Tensor:
+    """int32 [B, count, UNIT]: the key rows of each block (UNIT = c rounded up to a power of two, the
+    extra slots -1), from each key's block and document position."""
+    width = 1 << (c - 1).bit_length()
+    batch, total = key_units.shape
+    slot = torch.where(key_units >= 0, key_units, count) * width + positions % c
+    rows = torch.arange(total, device=key_units.device, dtype=torch.int32).expand(batch, total)
+    table = torch.full((batch, (count + 1) * width), -1, device=key_units.device, dtype=torch.int32)
+    return table.scatter_(1, slot, rows).view(batch, count + 1, width)[:, :count]
 
 
 def csa_problem(
@@ -138,6 +161,7 @@ def csa_problem(
     lse: torch.Tensor | None,
     query_block: int,
     key_block: int,
+    backend: str = "torch",
 ) -> DistillationProblem:
     """The CSA problem of validated inputs (`region_ids` [B, G, Q, topk + 1] in "sparse" mode)."""
     count = metadata.region_count
@@ -180,6 +204,16 @@ def csa_problem(
                     metadata.query_start + a1,
                 ),
             )
+    document_start = unit_rows = None
+    if backend == "triton":
+        sources = metadata.region_sources
+        width = 1 << (sources.shape[-1] - 1).bit_length()
+        unit_rows = torch.nn.functional.pad(sources, (0, width - sources.shape[-1]), value=-1)
+        document_start = (
+            sources[..., 0].long().gather(1, metadata.query_first_region.clamp_min(0))
+            if count
+            else torch.zeros_like(current)
+        )
     return DistillationProblem(
         query=query,
         key=key,
@@ -197,4 +231,7 @@ def csa_problem(
         lse=lse,
         tiles=tuple(tiles),
         key_block=key_block,
+        backend=backend,
+        document_start=document_start,
+        unit_rows=unit_rows.to(torch.int32) if unit_rows is not None else None,
     )
