@@ -61,6 +61,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/sa-layers/benchmarks"))
 import _cp_models as cpm  # noqa: E402
+from _timing import log  # noqa: E402
 
 from sa_cp import gather_no_grad  # noqa: E402
 
@@ -302,7 +303,7 @@ def training_case(args, kind: str, packed: bool, tokens: int, mesh, device) -> l
 
 def table(checks: list[dict]) -> str:
     lines = [
-        f"{'model':6} {'batch':6} {'tokens':>7}  {'check':44} {'max_abs':>9} {'max_rel':>9} "
+        f"{'model':6} {'batch':6} {'tokens':>7}  {'check':56} {'max_abs':>9} {'max_rel':>9} "
         f"{'norm_rel':>9} {'tol':>8}  ok"
     ]
     for c in checks:
@@ -313,7 +314,7 @@ def table(checks: list[dict]) -> str:
                 f"{c['max_abs']:9.2e} {c['max_rel']:9.2e} {c['norm_rel']:9.2e} {c['tol']:8.1e}"
             )
         lines.append(
-            f"{c['model']:6} {c['batch']:6} {c['tokens']:>7}  {c['check'][:44]:44} {numbers}  "
+            f"{c['model']:6} {c['batch']:6} {c['tokens']:>7}  {c['check'][:56]:56} {numbers}  "
             f"{'yes' if c['pass'] else 'NO'}"
         )
     return "\n".join(lines)
@@ -392,11 +393,7 @@ def main(argv=None) -> int:
                 for packed in batches:
                     checks += parity_case(args, kind, packed, tokens, cp_group, device)
                     if rank == 0:
-                        print(
-                            f"[{time.perf_counter() - started:7.1f} s] {kind} {'packed' if packed else 'plain'} {tokens}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+                        log(f"{kind} {'packed' if packed else 'plain'} {tokens}", started)
         if args.fsdp_dp is not None:
             mesh = init_device_mesh(
                 args.device, (args.fsdp_dp, world // args.fsdp_dp), mesh_dim_names=("dp", "cp")
