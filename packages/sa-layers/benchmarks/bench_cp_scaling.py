@@ -11,15 +11,15 @@ it), one row of random tokens sharded contiguously over every rank. Rows:
     strong scaling  `--global-tokens G` (default 131 072) on N GPUs; the baseline is one GPU on G
                     tokens divided by N (ideal), so ratio = T_1 / (N · T_N) is the efficiency
 
-Step time is the median over `--reps` steps (one warm-up step first) of the slowest rank's CUDA-
-event time, the ranks lined up by a barrier before each step. Communication is the NCCL kernel
-time of one profiled step (torch.profiler; gloo's collective time on the CPU), the slowest rank's;
-peak memory is the largest rank's `max_memory_allocated` in that step (weights included). The world-
-size-1 times come from `--baseline-json` (the rows of a world-size-1 run of this script), or are
-the run itself at world size 1, or else rank 0 measures them alone in the same job. Rows follow
-`tools/bench_records.py` (`--json PATH`, rewritten after every row: docs/results/cp_scaling.json
-through tools/gpu_tests.py). NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set).
+Step time is the median over `--reps` steps (after one warm-up step; none with --smoke) of the
+slowest rank's CUDA-event time, the ranks lined up by a barrier before each step. Communication is
+the NCCL kernel time of one profiled step (torch.profiler; gloo's collective time on the CPU), the
+slowest rank's; peak memory is the largest rank's `max_memory_allocated` in that step (weights
+included). The world-size-1 times come from `--baseline-json` (the rows of a world-size-1 run of
+this script), or are the run itself at world size 1, or else rank 0 measures them alone in the
+same job. Rows follow `tools/bench_records.py` (`--json PATH`, rewritten after every row:
+docs/results/cp_scaling.json through tools/gpu_tests.py). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 unless set).
 
 From the repo root, the workspace packages importable:
 
@@ -105,7 +105,11 @@ def measure(args, kind: str, local: int, group, device: torch.device) -> Measure
         cpm.run(kind, model, batch, shard=(rank, size), group=group).loss.backward()
 
     times = call_times_ms(
-        step, reps=args.reps, device=device, before=lambda: dist.barrier(group=group)
+        step,
+        reps=args.reps,
+        device=device,
+        warmup=0 if args.smoke else 1,  # the smoke run checks code paths, it does not measure
+        before=lambda: dist.barrier(group=group),
     )
     times = cpm.all_ranks_max(times, device, group)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
