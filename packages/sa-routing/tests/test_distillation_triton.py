@@ -11,6 +11,7 @@ from sa_routing import (
     qsa_indexer_distillation_loss,
     region_metadata,
     select_qsa_token_ids,
+    select_regions,
 )
 from sa_routing.distillation.reference import (
     csa_indexer_distillation_loss_reference,
@@ -178,7 +179,7 @@ def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the
             want_lse[q, hs] = torch.logsumexp(scores[q, hs][:, keys], dim=-1)
     if not compute_lse:
         lse = want_lse.float().contiguous()
-    q0, q1 = 5, 37
+    q0, q1 = 9, 27
     mass = sparse_mass(
         query,
         key,
@@ -270,7 +271,7 @@ def test_triton_qsa_loss_and_gradients_equal_the_float64_oracle(mode, case) -> N
 def test_triton_qsa_routes_with_repeated_ids_give_the_loss_of_their_set() -> None:
     """Routes whose blocks repeat (set semantics) and whose padding is -1: the Triton loss equals the
     oracle's and the loss of the routes with every repeat dropped."""
-    batch, total, c, budget = 1, 30, 3, 6
+    batch, total, c, budget = 1, 21, 3, 6
     query, key, iq, ck = _qsa_tensors(21, batch, total, total, total // c)
     routes = select_qsa_token_ids(iq.detach(), ck.detach(), None, token_budget=6, compress_ratio=c)
     repeated = routes.clone()
@@ -290,21 +291,21 @@ def test_triton_qsa_routes_with_repeated_ids_give_the_loss_of_their_set() -> Non
         query, key, iq, ck, **common, routes=deduplicated, backend="triton"
     )
     torch.testing.assert_close(loss, once, rtol=1e-6, atol=1e-7)
-    original = qsa_indexer_distillation_loss(
-        query, key, iq, ck, **common, routes=routes, backend="triton"
+    original, _ = qsa_indexer_distillation_loss_reference(
+        query, key, iq, ck, **common, routes=routes
     )
     assert abs(loss.item() - original.item()) > 1e-4  # the repeat changed the route
 
 
 def _csa_case(start: int, queries: int):
-    """Two rows of 48: documents 20 + 4 + 24 and a 30-token document followed by 18 padding."""
-    rows = [document_positions([20, 4, 24], 48), document_positions([30], 48)]
+    """Two rows of 36: documents 14 + 4 + 18 and a 24-token document followed by 12 padding."""
+    rows = [document_positions([14, 4, 18], 36), document_positions([24], 36)]
     pos = torch.stack([r[0] for r in rows])
     pad = torch.stack([r[1] for r in rows])
     metadata = region_metadata(pos, pad, start, queries, 3, 2, tile_size=8)
     g = _generator(start + queries)
     query = torch.randn(2, queries, 4, 8, generator=g)
-    key = torch.randn(2, 48, 2, 8, generator=g)
+    key = torch.randn(2, 36, 2, 8, generator=g)
     iq = torch.randn(2, queries, 2, 3, 6, generator=g).requires_grad_()
     iw = torch.randn(2, queries, 2, 3, generator=g).requires_grad_()
     summaries = torch.randn(2, metadata.region_count, 6, generator=g).requires_grad_()
@@ -313,7 +314,7 @@ def _csa_case(start: int, queries: int):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    ("start", "queries"), [(0, 48), (24, 24)], ids=["unsharded", "cp-shard-2-of-2"]
+    ("start", "queries"), [(0, 36), (18, 18)], ids=["unsharded", "cp-shard-2-of-2"]
 )
 def test_triton_csa_loss_and_gradients_equal_the_float64_oracle(mode, start, queries) -> None:
     pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(start, queries)
@@ -338,8 +339,8 @@ def test_triton_csa_loss_and_gradients_equal_the_float64_oracle(mode, start, que
 
 def test_triton_csa_selection_with_repeats_and_invalid_ids_equals_the_oracle() -> None:
     """Region ids with a repeated region and -1 among the unused slots (the sentinel elsewhere)."""
-    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(0, 48)
-    ids = reference_select_regions(iq.detach(), iw.detach(), summaries.detach(), pos, pad, 0, 3, 2)
+    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(18, 18)
+    ids = reference_select_regions(iq.detach(), iw.detach(), summaries.detach(), pos, pad, 18, 3, 2)
     ids = ids.clone()
     ids[..., 1] = ids[..., 0]  # the lowest selected region twice
     ids[0, 1, 5:, 2] = -1
@@ -349,20 +350,20 @@ def test_triton_csa_selection_with_repeats_and_invalid_ids_equals_the_oracle() -
     )
     oracle, _ = csa_indexer_distillation_loss_reference(
         query, key, iq, iw, summaries, pos, pad, region_size=3, topk=2, mode="sparse",
-        region_ids=ids, softmax_scale=0.4,
+        region_ids=ids, query_start=18, softmax_scale=0.4,
     )  # fmt: skip
     torch.testing.assert_close(loss.double(), oracle, rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_losses_with_the_attention_lse_equal_the_losses_that_compute_it(mode) -> None:
-    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(0, 48)
+    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(18, 18)
     selection = None
     if mode == "sparse":
-        selection = reference_select_regions(iq, iw, summaries, pos, pad, 0, 3, 2)
+        selection = reference_select_regions(iq, iw, summaries, pos, pad, 18, 3, 2)
     _, lse = csa_indexer_distillation_loss_reference(
         query, key, iq, iw, summaries, pos, pad, region_size=3, topk=2, mode=mode,
-        region_ids=selection,
+        region_ids=selection, query_start=18,
     )  # fmt: skip
     args = (query, key, iq, iw, summaries, metadata)
     kwargs = dict(mode=mode, selection=selection, backend="triton")
@@ -454,10 +455,9 @@ def test_cuda_triton_csa_reference_geometry_equals_the_pytorch_path(mode) -> Non
     summaries.requires_grad_()
     selection = None
     if mode == "sparse":
-        selection = reference_select_regions(
-            iq.detach().cpu(), iw.detach().cpu(), summaries.detach().cpu(), pos.cpu(), pad.cpu(),
-            start, 8, 64,
-        ).cuda()  # fmt: skip
+        selection = select_regions(
+            iq.detach().bfloat16(), iw.detach(), summaries.detach().bfloat16(), metadata
+        )
     results = []
     for backend in ("triton", "torch"):
         loss = csa_indexer_distillation_loss(
