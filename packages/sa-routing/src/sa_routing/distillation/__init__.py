@@ -34,6 +34,23 @@ key). Double backward is not supported. The target costs two FP32 passes of `Q Â
 keys of the sparse queries (one when `lse` is given); the matmuls follow
 `torch.backends.cuda.matmul.allow_tf32`.
 
+Backends (`backend=`): on CUDA the target comes from Triton kernels (`triton_kernels`): one LSE pass
+over the visible keys of every query (skipped when `lse` is given), then per tile one pass over the
+keys of the candidate units that sums `exp(s âˆ’ lse)` over each group's heads and each unit's keys
+in registers ("dense_warmup"), or per (query, group) a gather of the selected units' keys with
+repeats counted once ("sparse", whose LSE pass also covers the suffix keys). On CUDA the automatic
+tiles merge up to 32M FP32 target elements (128 MiB), so a few large launches replace many small
+ones. On CPU the blockwise PyTorch loop runs; it is the path the float64 oracle checks, and the
+Triton path is checked against both under Triton's interpreter. The target is a constant of the
+loss in either case (computed under `no_grad` from detached inputs): no gradient reaches the main
+attention, and the kernels have no backward.
+
+`lse` (optional, either mode): float32 `[batch, local_queries, heads]`, the natural-log log-sum-exp
+of the main attention's scaled scores per query head, over exactly the keys that attention attends
+(every visible key in "dense_warmup"; the route's keys in "sparse"); a non-finite entry means the
+row attends nothing. FlashAttention-style forwards return it (PyTorch's flash SDPA as `[B, H, S]`:
+transpose it).
+
 Context parallelism: each rank passes its shard's queries (`query_start` / `metadata.query_start`)
 and the global keys: the main keys as the attention gathers them; the indexer keys with gradient
 (`QSAIndexer.training_keys(..., cp_context=...)` gathers them itself; gather the outputs of

@@ -19,6 +19,10 @@ So the largest temporaries are `[heads, query_block, key_block]` (the attention 
 at a time: the exponentials run in place) and
 `[groups, query_block, tile units]` (target, logits, gradient); no tensor of all queries against all
 keys or units exists, in the forward or the backward (the autograd graph keeps only the gradients).
+
+With `backend == "triton"` step 1 runs the kernels of `triton_kernels` instead (`_triton_target`):
+the per-head LSE of every query first (when not given), then each tile's unit mass; steps 2 and 3
+are the same code on both paths.
 """
 
 from __future__ import annotations
