@@ -9,11 +9,28 @@ from torch.utils.checkpoint import checkpoint
 from sa_cp import RecomputeReplay, checkpoint_context_fn, gather_sequence
 from sa_cp.testing import run_on_ranks
 from sa_kernels import sparse_gqa_attention
-from sa_routing import QSAContextParallel
-from sa_routing.qsa.testing import rotary_table, small_indexer
+from sa_routing import QSAContextParallel, QSAIndexer, QSAIndexerConfig, rotary_table
 
 QSA_ROUTES: RecomputeReplay[torch.Tensor] = RecomputeReplay("qsa-routes")
 SEQUENCE = 48  # compress ratio 3, budget 12: rows from position 14 on are sparse
+
+
+def small_indexer(seed: int) -> QSAIndexer:
+    """A randomly initialised FP32 indexer: hidden 40, 3 heads of 16 dims, budget 12 in blocks of 3."""
+    config = QSAIndexerConfig(
+        hidden_size=40,
+        indexer_n_heads=3,
+        indexer_head_dim=16,
+        indexer_budget=12,
+        indexer_compress_ratio=3,
+    )
+    torch.manual_seed(seed)
+    indexer = QSAIndexer(config)
+    indexer.init_weights(init_std=0.2)
+    with torch.no_grad():
+        indexer.q_norm.weight.uniform_(0.5, 1.5)
+        indexer.k_norm.weight.uniform_(0.5, 1.5)
+    return indexer
 
 
 class RoutedQSAAttention(nn.Module):
@@ -29,7 +46,7 @@ class RoutedQSAAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.backend = backend  # "gather" runs the Triton kernels (interpreted on CPU)
-        self.indexer = small_indexer(torch.float32, seed=seed)
+        self.indexer = small_indexer(seed)
         hidden = self.indexer.config.hidden_size
         torch.manual_seed(seed + 1)
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)

@@ -10,13 +10,28 @@ from sa_cp import ContextParallelLayout, checkpoint_context_fn, shard_sequence
 from sa_cp.testing import TOY_ROUTES, ToyRoutedLayer
 from sa_kernels import sparse_gqa_attention
 from sa_mla import sparse_mla_attention
-from sa_routing import Step5SparseConfig, Step5SparseIndexer, region_metadata
-from sa_routing.qsa.testing import rotary_table, small_indexer
+from sa_routing import (
+    QSAIndexer,
+    QSAIndexerConfig,
+    Step5SparseConfig,
+    Step5SparseIndexer,
+    region_metadata,
+    rotary_table,
+)
 
 
 def qsa_tour() -> None:
     print("== QSA: compressed-block routes, then sparse GQA attention over them ==")
-    indexer = small_indexer(torch.float32)  # hidden 40, 3 heads, budget 12 tokens, ratio 3
+    config = QSAIndexerConfig(
+        hidden_size=40,
+        indexer_n_heads=3,
+        indexer_head_dim=16,
+        indexer_budget=12,  # tokens, in blocks of indexer_compress_ratio
+        indexer_compress_ratio=3,
+    )
+    torch.manual_seed(0)
+    indexer = QSAIndexer(config)
+    indexer.init_weights(init_std=0.2)
     tokens = 48
     hidden = torch.randn(1, tokens, 40)
     ids = indexer(hidden, rotary_table(torch.arange(tokens), 16)[None])

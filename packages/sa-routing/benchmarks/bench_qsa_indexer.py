@@ -24,12 +24,11 @@ import time
 import torch
 import triton.testing
 
-from sa_routing import QSAIndexer, QSAIndexerConfig
+from sa_routing import QSAIndexer, QSAIndexerConfig, rotary_table
 from sa_routing.qsa.selection.reference import (
     rows_differing_beyond_near_ties,
     select_qsa_token_ids_reference,
 )
-from sa_routing.qsa.testing import rotary_table
 
 
 def _scoring_flops(rows: int, config: QSAIndexerConfig) -> float:

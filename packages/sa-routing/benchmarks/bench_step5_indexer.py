@@ -185,14 +185,10 @@ def bench_indexer(rows: list[dict], total: int, options: list[dict], profile: bo
             k, z = indexer.project_keys(hidden, pos)
             return indexer(hidden, pos, k, z, pos, pad, metadata=meta).region_ids
 
-        def forward_marked(mark, o=opt) -> None:
+        def forward_marked(mark) -> None:
             k, z = indexer.project_keys(hidden, pos)
             mark("project_keys")
-            indexer.selection_options = {**o, "_mark": mark}
-            try:
-                indexer(hidden, pos, k, z, pos, pad, metadata=meta)
-            finally:
-                indexer.selection_options = dict(o)
+            indexer._forward(hidden, pos, k, z, pos, pad, 0, meta, mark)
 
         out = forward()
         extra, syncs = -1, count_syncs(forward)

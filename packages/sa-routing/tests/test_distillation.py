@@ -6,6 +6,9 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from qsa_cases import document_positions as qsa_document_positions
+from qsa_cases import small_indexer
+from step5_cases import document_positions
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -19,6 +22,7 @@ from sa_routing import (
     csa_indexer_distillation_loss,
     qsa_indexer_distillation_loss,
     region_metadata,
+    rotary_table,
     select_qsa_token_ids,
 )
 from sa_routing.distillation.reference import (
@@ -26,15 +30,9 @@ from sa_routing.distillation.reference import (
     qsa_indexer_distillation_loss_reference,
 )
 from sa_routing.qsa.lengths import packed_block_starts
-from sa_routing.qsa.testing import document_positions as qsa_document_positions
-from sa_routing.qsa.testing import rotary_table, small_indexer
-from sa_routing.step5.reference import (
-    reference_project_keys,
-    reference_project_queries,
-    reference_select_regions,
-    reference_summaries,
-)
-from sa_routing.step5.testing import document_positions
+from sa_routing.step5.projection.reference import reference_project_keys, reference_project_queries
+from sa_routing.step5.selection.reference import reference_select_regions
+from sa_routing.step5.summaries.reference import reference_summaries
 
 MODES = ["dense_warmup", "sparse"]
 

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sa_routing import QSAIndexerConfig, apply_qsa_rope, right_padded_sequence_lengths
+from sa_routing import QSAIndexerConfig, apply_qsa_rope, right_padded_sequence_lengths, rotary_table
 from sa_routing.qsa.lengths import packed_block_starts, validate_cu_seqlens
-from sa_routing.qsa.testing import rotary_table
 
 # -- config ------------------------------------------------------------------------------------------
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
+from qsa_cases import document_positions, small_indexer
 
 from sa_cp import ContextParallelLayout, shard_sequence
 from sa_cp.testing import run_on_ranks
-from sa_routing import QSAContextParallel
-from sa_routing.qsa.testing import document_positions, rotary_table, small_indexer
+from sa_routing import QSAContextParallel, rotary_table
 
 GLOBAL_LENGTH = (
     90  # 2 ranks: shards of 45; 4 ranks: shards of 24, padded to 96 (multiples of c = 3)

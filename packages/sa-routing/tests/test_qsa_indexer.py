@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+from qsa_cases import document_positions, small_indexer
 from torch.nn import functional as F
 
 from sa_cp import ContextParallelLayout
@@ -12,13 +13,13 @@ from sa_routing import (
     QSAIndexer,
     QSAIndexerConfig,
     apply_qsa_rope,
+    rotary_table,
 )
 from sa_routing.qsa import QSARMSNorm
 from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_packed_reference,
     select_qsa_token_ids_reference,
 )
-from sa_routing.qsa.testing import document_positions, rotary_table, small_indexer
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
+from qsa_cases import assert_routes_equal_oracle, selection_inputs
 
 from sa_routing import select_qsa_token_ids
-from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

@@ -4,13 +4,13 @@ import itertools
 
 import pytest
 import torch
+from qsa_cases import assert_routes_equal_oracle, selection_inputs
 
 from sa_routing import select_qsa_token_ids
 from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_packed_reference,
     select_qsa_token_ids_reference,
 )
-from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
 
 
 def _as_sets(routes: torch.Tensor) -> list[list[int]]:

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from qsa_cases import assert_routes_equal_oracle, selection_inputs
 
 from sa_routing import select_qsa_token_ids
 from sa_routing.qsa.selection.reference import (
@@ -13,8 +14,7 @@ from sa_routing.qsa.selection.reference import (
     select_qsa_token_ids_packed_reference,
     select_qsa_token_ids_reference,
 )
-from sa_routing.qsa.selection.triton_scores import qsa_block_scores_triton
-from sa_routing.qsa.testing import assert_routes_equal_oracle, selection_inputs
+from sa_routing.qsa.selection.triton_kernels import qsa_block_scores_triton
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -182,11 +182,11 @@ def test_triton_selection_does_not_depend_on_the_chunk_size():
 
 def test_triton_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch):
     """With the budget shrunk to 64 KiB, every scored chunk fits it and the routes do not change."""
-    from sa_routing.qsa.selection import chunked, triton_scores
+    from sa_routing.qsa.selection import chunked, triton_kernels
 
     budget_bytes = 64 * 1024
     scored = []
-    original = triton_scores.qsa_block_scores_triton
+    original = triton_kernels.qsa_block_scores_triton
 
     def recording_scores(queries, keys, *args, **kwargs):
         scored.append((queries.shape[0], keys.shape[0]))
@@ -196,7 +196,7 @@ def test_triton_auto_chunks_keep_score_temporaries_within_the_budget(monkeypatch
     kwargs = dict(token_budget=16, compress_ratio=2, backend="triton")
     expected = select_qsa_token_ids(queries, keys, None, **kwargs)
     monkeypatch.setattr(chunked, "SCORE_TEMP_BUDGET_BYTES", budget_bytes)
-    monkeypatch.setattr(triton_scores, "qsa_block_scores_triton", recording_scores)
+    monkeypatch.setattr(triton_kernels, "qsa_block_scores_triton", recording_scores)
     routes = select_qsa_token_ids(queries, keys, None, **kwargs)
     assert torch.equal(routes, expected)
     assert len(scored) > 10

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from step5_cases import document_positions
 
 from sa_kernels import round_to_e4m3
 from sa_routing import (
@@ -13,19 +14,19 @@ from sa_routing import (
     Step5SparseIndexer,
     gather_region_payload,
     region_metadata,
-    summarize_regions,
+    region_summaries,
 )
-from sa_routing.step5.indexer import region_summaries
-from sa_routing.step5.reference import (
+from sa_routing.step5.projection.reference import (
     reference_project_keys,
     reference_project_queries,
     reference_rope,
+)
+from sa_routing.step5.selection.reference import (
     reference_select_regions,
-    reference_summaries,
-    round_e4m3,
     selections_differ_beyond_ties,
 )
-from sa_routing.step5.testing import document_positions
+from sa_routing.step5.summaries import _summarize_regions
+from sa_routing.step5.summaries.reference import reference_summaries, round_e4m3
 
 SMALL = Step5SparseConfig(
     proxy_dim=32,
@@ -199,7 +200,7 @@ def test_summaries_pool_each_region_with_a_softmax_over_its_valid_tokens() -> No
     keys = torch.randn(1, 41, 32).to(torch.bfloat16)
     logits = (torch.randn(1, 41, 32) * 4).to(torch.bfloat16)
     m = region_metadata(pos[None], pad[None], 0, 41, region_size=4, topk=2)
-    out = summarize_regions(keys, logits, m.region_sources, m.region_source_valid)
+    out = _summarize_regions(keys, logits, m.region_sources, m.region_source_valid)
     want = reference_summaries(keys, logits, pos[None], pad[None], 4)
     assert out.dtype == torch.bfloat16 and out.shape == (1, m.region_count, 32)
     assert torch.equal(out, want)
@@ -207,6 +208,23 @@ def test_summaries_pool_each_region_with_a_softmax_over_its_valid_tokens() -> No
     # a one-token region is that token's key, rounded
     single = int(m.token_regions[0, 12])
     assert torch.equal(out[0, single], round_e4m3(keys[0, 12]))
+
+
+def test_region_summaries_pool_the_ranges_the_tiles_read_and_leave_the_rest_zero() -> None:
+    torch.manual_seed(6)
+    pos, pad = document_positions([13, 2, 22], 41)
+    keys = torch.randn(2, 41, 32).to(torch.bfloat16)
+    logits = (torch.randn(2, 41, 32) * 4).to(torch.bfloat16)
+    positions, padding = pos.expand(2, -1), pad.expand(2, -1)
+    m = region_metadata(positions, padding, 0, 41, region_size=4, topk=2)
+    out = region_summaries(keys, logits, m)
+    want = reference_summaries(keys, logits, positions, padding, 4)
+    read = torch.zeros(2, m.region_count, dtype=torch.bool)
+    for b, first, past in m.summary_ranges:
+        read[b, first:past] = True
+    assert read.any() and not read.all()
+    assert torch.equal(out[read], want[read])
+    assert not out[~read].any()
 
 
 def test_payload_gather_returns_exactly_the_source_rows() -> None:
@@ -314,10 +332,11 @@ def test_stage_marks_name_every_stage_of_the_walk_in_order() -> None:
     hidden = torch.randn(1, 140, SMALL.hidden_size).to(torch.bfloat16)
     keys, logits = indexer.project_keys(hidden, pos[None])
     marks: list[str] = []
-    indexer.selection_options = {"_mark": marks.append, "score_budget_bytes": 1}
-    marked = indexer(hidden, pos[None], keys, logits, pos[None], pad[None]).region_ids
+    indexer.selection_options = {"score_budget_bytes": 1}
+    args = (hidden, pos[None], keys, logits, pos[None], pad[None])
+    marked = indexer._forward(*args, 0, None, marks.append).region_ids
     indexer.selection_options = {}
-    plain = indexer(hidden, pos[None], keys, logits, pos[None], pad[None]).region_ids
+    plain = indexer(*args).region_ids
     assert torch.equal(marked, plain)
     assert marks[0] == "summaries" and marks[-1] == "merge"
     walk = marks[1:]

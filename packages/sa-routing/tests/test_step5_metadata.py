@@ -1,11 +1,13 @@
 """region_metadata: hand-computed layouts, tiles, shards, varlen layouts and every input error."""
 
+import dataclasses
+
 import pytest
 import torch
+from step5_cases import document_positions
 
 from sa_routing import region_metadata
-from sa_routing.step5.reference import reference_regions
-from sa_routing.step5.testing import document_positions
+from sa_routing.step5.metadata.reference import reference_regions
 
 # Two documents (7 and 5 tokens), two padding tokens; region 2, topk 1.
 HAND_POS, HAND_PAD = document_positions([7, 5], 14)
@@ -255,3 +257,14 @@ def test_metadata_at_128k_uses_one_host_sync_on_cuda() -> None:
     assert m.score_tiles == cpu.score_tiles
     assert torch.equal(m.dense_region_ids.cpu(), cpu.dense_region_ids)
     assert torch.equal(m.region_sources.cpu(), cpu.region_sources)
+
+
+def test_region_metadata_is_frozen_and_holds_only_immutable_host_values() -> None:
+    m = region_metadata(HAND_POS[None], HAND_PAD[None], 0, 14, region_size=2, topk=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.region_count = 0  # type: ignore[misc]
+    for field in dataclasses.fields(m):
+        value = getattr(m, field.name)
+        assert not isinstance(value, dict | list | set), field.name
+        if isinstance(value, tuple):
+            assert all(isinstance(part, tuple) for part in value), field.name

@@ -1,20 +1,24 @@
 """select_regions (tiles, running top-k, composite keys) against the plain PyTorch oracle."""
 
 import contextlib
+import gc
 import zlib
 
 import pytest
 import torch
+from step5_cases import document_positions
 
 from sa_routing import region_metadata, select_regions
-from sa_routing.step5.reference import reference_select_regions, selections_differ_beyond_ties
 from sa_routing.step5.selection import (
     MERGE_WIDTH_GROWTH,
     _merge_tiles,
     score_call_bytes,
     select_regions_tiled,
 )
-from sa_routing.step5.testing import document_positions
+from sa_routing.step5.selection.reference import (
+    reference_select_regions,
+    selections_differ_beyond_ties,
+)
 
 BACKENDS = ["reference", "triton"]
 METHODS = ["threshold", "composite"]
@@ -360,9 +364,15 @@ def test_layers_of_a_forward_reuse_the_scoring_plan(monkeypatch: pytest.MonkeyPa
         assert torch.equal(
             select_regions(query, weights, summary, m, score_budget_bytes=budget), oracle
         )
-        assert len(planned) == len(m.host_plans) == plans
+        assert len(planned) == len(selection.host_plans(m)) == plans
     # another metadata (a replaced field) plans afresh: it may have other tiles
-    assert dataclasses.replace(m, score_tiles=m.score_tiles[:1]).host_plans == {}
+    other = dataclasses.replace(m, score_tiles=m.score_tiles[:1])
+    assert selection.host_plans(other) == {}
+    # the plans are held beside the frozen metadata, and dropped with it
+    key = id(other)
+    del other
+    gc.collect()
+    assert key not in selection._HOST_PLANS and id(m) in selection._HOST_PLANS
 
 
 def test_select_regions_rejects_shapes_that_disagree_with_metadata() -> None:

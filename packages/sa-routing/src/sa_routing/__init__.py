@@ -11,6 +11,7 @@ from sa_routing.qsa import (
     QSAIndexerConfig,
     apply_qsa_rope,
     right_padded_sequence_lengths,
+    rotary_table,
     select_qsa_token_ids,
 )
 from sa_routing.step5 import (
@@ -27,7 +28,6 @@ from sa_routing.step5 import (
     region_metadata,
     region_summaries,
     select_regions,
-    summarize_regions,
 )
 
 __all__: list[str] = [
@@ -52,7 +52,7 @@ __all__: list[str] = [
     "region_metadata",
     "region_summaries",
     "right_padded_sequence_lengths",
+    "rotary_table",
     "select_qsa_token_ids",
     "select_regions",
-    "summarize_regions",
 ]

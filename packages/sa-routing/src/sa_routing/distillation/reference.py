@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..step5.reference import reference_regions
+from ..step5.metadata.reference import reference_regions
 
 
 def _kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """`Step5SparseIndexer`: the checkpoint-backed CSA router of one layer (SEMANTICS §1.2)."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -12,14 +14,8 @@ from .metadata import region_metadata
 from .norms import Step5IndexerLayerNorm, Step5IndexerRMSNorm
 from .projection import Step5IndexerWeightProjection
 from .rotary import Step5IndexerRotaryEmbedding
-from .selection import select_regions_dense, select_regions_tiled
-from .summaries import gather_region_payload, summarize_regions
-
-SUMMARY_CHUNK_REGIONS = 16384
-"""Regions summarised per call of `summarize_regions` (about 50 KB of temporaries per region, 0.8 GB
-per call at this size, below the scoring calls' peak): each call is some twenty small launches,
-whose host time the GPU waited for at the start of a forward (4096 took 0.99 ms of host time at
-65 536 tokens on the H200's host, docs/benchmarks.md)."""
+from .selection import no_mark, select_regions_dense, select_regions_marked
+from .summaries import gather_region_payload, region_summaries
 
 
 class Step5SparseIndexer(nn.Module):
@@ -142,6 +138,26 @@ class Step5SparseIndexer(nn.Module):
             TypeError, ValueError: bad shapes or dtypes; metadata of another shard or geometry; keys
             missing while a query is sparse.
         """
+        return self._forward(
+            hidden, positions, keys, compression_logits, key_positions, key_padding, query_start,
+            metadata, no_mark,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor | None,
+        compression_logits: torch.Tensor | None,
+        key_positions: torch.Tensor,
+        key_padding: torch.Tensor | None,
+        query_start: int,
+        metadata: RegionMetadata | None,
+        mark: Callable[[str], None],
+    ) -> RegionSelection:
+        """`forward`, calling `mark(stage)` after each stage ("summaries", then the stages of
+        `select_regions_marked`): the per-stage timing of the benchmark."""
         fn = "Step5SparseIndexer.forward"
         self._check_hidden(fn, hidden, positions)
         cfg = self.config
@@ -174,10 +190,8 @@ class Step5SparseIndexer(nn.Module):
         for name, t in (("keys", keys), ("compression_logits", compression_logits)):
             if tuple(t.shape) != shape:
                 raise ValueError(f"{fn}: {name} must be {shape}; got {tuple(t.shape)}")
-        options = dict(self.selection_options)
         summary = region_summaries(keys, compression_logits, metadata)
-        if options.get("_mark") is not None:
-            options["_mark"]("summaries")
+        mark("summaries")
 
         # the queries' rotary angles once for every span (each span's own took four launches)
         cos, sin = self.rotary.cos_sin(positions)
@@ -186,8 +200,8 @@ class Step5SparseIndexer(nn.Module):
             rows = (slice(b, b + 1), slice(q0, q1))
             return self._project_queries(hidden[rows], cos[rows], sin[rows])
 
-        ids = select_regions_tiled(
-            tile_inputs, cfg.num_provider_groups, summary, metadata, **options
+        ids = select_regions_marked(
+            tile_inputs, cfg.num_provider_groups, summary, metadata, mark, **self.selection_options
         )
         return RegionSelection(ids, metadata.region_count)
 
@@ -344,33 +358,3 @@ class Step5SparseIndexer(nn.Module):
             raise ValueError(
                 f"{fn}: positions must be {tuple(hidden.shape[:2])}; got {tuple(positions.shape)}"
             )
-
-
-def region_summaries(
-    keys: torch.Tensor, logits: torch.Tensor, metadata: RegionMetadata
-) -> torch.Tensor:
-    """BF16 [B, N, D] summaries of the regions in `metadata.summary_ranges` (zero elsewhere).
-
-    keys, logits: [B, S, D] of the whole sequence `metadata` describes (B = metadata.batch_size,
-    S = metadata.global_length)."""
-    for name, t in (("keys", keys), ("logits", logits)):
-        want = (metadata.batch_size, metadata.global_length)
-        if t.dim() != 3 or tuple(t.shape[:2]) != want or not t.is_floating_point():
-            raise ValueError(
-                f"region_summaries: {name} must be floating [batch, global_length, D] with "
-                f"(batch, global_length) = {want}; got {tuple(t.shape)} {t.dtype}"
-            )
-    batch, _, dim = keys.shape
-    summary = torch.zeros(
-        batch, metadata.region_count, dim, dtype=torch.bfloat16, device=keys.device
-    )
-    for b, first, past in metadata.summary_ranges:
-        for c0 in range(first, past, SUMMARY_CHUNK_REGIONS):
-            c1 = min(c0 + SUMMARY_CHUNK_REGIONS, past)
-            summary[b, c0:c1] = summarize_regions(
-                keys[b : b + 1],
-                logits[b : b + 1],
-                metadata.region_sources[b : b + 1, c0:c1],
-                metadata.region_source_valid[b : b + 1, c0:c1],
-            )[0]
-    return summary

@@ -5,7 +5,7 @@
 know to launch work; tensors are what the device needs.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -90,7 +90,6 @@ class RegionMetadata:
         all_padding_key: True when every query of the shard is padding. Nothing is scored; the varlen
             layouts then hold one singleton segment (the shard's first query against its own key
             row) so that a varlen kernel has defined output, which the caller discards (zeros).
-        host_plans: memoised host plans (below); not part of equality.
     """
 
     region_size: int
@@ -117,9 +116,6 @@ class RegionMetadata:
     causal_layout: CausalDocumentLayout | None
     window_layout: CausalDocumentLayout | None
     all_padding_key: bool
-    host_plans: dict = field(default_factory=dict, init=False, compare=False, repr=False)
-    """Host plans derived from the fields above (the scoring calls of `select_regions_tiled`),
-    memoised here so that every layer of the forward reuses them instead of rebuilding them."""
 
     @property
     def batch_size(self) -> int:

@@ -3,7 +3,7 @@
 `reference.py` is the oracle: FP64 block scores rounded once to FP32, a full stable sort per row;
 it defines the exact selection. `chunked.py` is the path every call takes (causal-trimmed chunks,
 `sa_kernels.stable_topk`, no sort of a row) with one of two scorers:
-- CUDA (`backend="auto"`/`"triton"`): the Triton kernel of `triton_scores.py`, FP32 accumulation as
+- CUDA (`backend="auto"`/`"triton"`): the Triton kernel of `triton_kernels.py`, FP32 accumulation as
   SEMANTICS §2 and the reference models score. Its routes equal the oracle's except at near-ties:
   a block may differ only where its exact score is within FP32 rounding of the k-th best score.
 - CPU (`"auto"`/`"reference"`): the oracle's FP64 scores, so the routes equal the oracle's bit for bit.

@@ -7,7 +7,7 @@ blocks the chunk's last row can see, and the top `budget/c` blocks come from
 `sa_kernels.stable_topk` (score descending, block id ascending; no sort of a row), ascending.
 
 Two scorers (SEMANTICS §2 says block scores are FP32):
-- "triton" (CUDA by default): `triton_scores.qsa_block_scores_triton`, FP32 accumulation of BF16/FP32
+- "triton" (CUDA by default): `triton_kernels.qsa_block_scores_triton`, FP32 accumulation of BF16/FP32
   operands with the causal mask in the kernel, the precision of the reference models. Its routes
   equal the FP64 oracle's except at near-ties (blocks whose exact scores differ by FP32 rounding).
 - "reference" (CPU by default): `reference.qsa_block_scores`, the oracle's own order-independent FP64
@@ -161,7 +161,7 @@ def select_segments(
     device = out.device
     use_triton = resolve_backend("select_qsa_token_ids", backend, keys, out) == "triton"
     if use_triton:
-        from .triton_scores import qsa_block_scores_triton, score_dtype
+        from .triton_kernels import qsa_block_scores_triton, score_dtype
 
         operand = None  # the kernel's operand dtype, fixed by the first chunk's queries
     else:

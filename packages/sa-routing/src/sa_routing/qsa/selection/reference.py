@@ -24,7 +24,7 @@ def qsa_block_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     (a one-row chunk runs a GEMV) and of the device, while being at least as accurate as FP32
     accumulation. Shared by the oracle and the CPU path. **SEMANTICS deviation:** §2 says FP32 scores;
     this FP64 arithmetic defines the exact selection, while the GPU path
-    (`triton_scores.qsa_block_scores_triton`) accumulates in FP32 like the reference models and agrees
+    (`triton_kernels.qsa_block_scores_triton`) accumulates in FP32 like the reference models and agrees
     with it except at near-ties.
 
     Args:

@@ -1,4 +1,4 @@
-"""Builders shared by the Step5 tests: positions of packed documents."""
+"""Test support for the Step-5 tests (not part of the package): positions of packed documents."""
 
 import torch
 

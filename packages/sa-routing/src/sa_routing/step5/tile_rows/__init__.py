@@ -3,9 +3,9 @@ dense ids on the others.
 
 Per tile the selection holds `[G, n, topk]` kept positions (int64, ascending, relative to the tile's
 region chunk); a sparse row's slots become `position + offset`, then its current region. As PyTorch
-ops that is an add, a cast, a concatenation, a select and a copy over the tile (about 4.6 ms of a
-128k forward on the H200); the kernel (`tile_rows_triton`, imported only where it
-runs) reads the positions once and writes int32 once. Where `stable_topk` already wrote a
+ops (`reference.py`) that is an add, a cast, a concatenation, a select and a copy over the tile
+(about 4.6 ms of a 128k forward on the H200); the kernel (`triton_kernels.py`, imported only where
+it runs) reads the positions once and writes int32 once. Where `stable_topk` already wrote a
 call's kept ids into the selection (`kept=None`), only the current regions and the dense rows are
 left to write.
 """
@@ -13,6 +13,8 @@ left to write.
 import torch
 
 from sa_kernels.backend import resolve_backend
+
+from .reference import write_tile_rows_reference
 
 
 def write_tile_rows(
@@ -48,14 +50,10 @@ def write_tile_rows(
     if n == 0:
         return
     rows = out[batch_row, :, first_query : first_query + n]
-    groups, topk = rows.shape[0], rows.shape[-1] - 1
     tensors = (out, current, sparse, dense) if kept is None else (out, kept, current, sparse, dense)
     if resolve_backend("write_tile_rows", backend, *tensors) == "reference":
-        ids = rows[..., :topk] if kept is None else (kept + offset).to(torch.int32)
-        last = current.to(torch.int32).view(1, n, 1).expand(groups, n, 1)
-        padded = torch.nn.functional.pad(dense, (0, topk + 1 - dense.shape[-1]), value=fill)
-        rows.copy_(torch.where(sparse.view(1, n, 1), torch.cat([ids, last], dim=-1), padded))
+        write_tile_rows_reference(rows, kept, offset, current, sparse, dense, fill)
         return
-    from .tile_rows_triton import write_tile_rows_triton
+    from .triton_kernels import write_tile_rows_triton
 
     write_tile_rows_triton(rows, kept, offset, current, sparse, dense, fill)

@@ -1,5 +1,5 @@
 """`region_metadata`'s device work on CUDA in four Triton kernels, where the PyTorch path
-(`metadata.py`) launches about 200 small ops: on the H200 that took 2.5 to 5.9 ms at 131 072 tokens,
+(`reference.TorchMetadata`) launches about 200 small ops: on the H200 that took 2.5 to 5.9 ms at 131 072 tokens,
 nearly all of it host launch time (1.2 ms of it on the GPU).
 
 Before the host synchronisation:

@@ -3,9 +3,11 @@
 `torch.topk` orders ties arbitrarily, so ties are made explicit: every top-k call here sees keys
 whose winners are distinct, and the selected set is exactly (score descending, region id ascending).
 The "threshold" method is `sa_kernels.stable_topk` on the running candidates, whose ids ascend with
-their position (kept ids come back ascending and precede the next chunk's regions).
+their position (kept ids come back ascending and precede the next chunk's regions). The oracle,
+`reference.py`, scores every region and sorts.
 """
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -13,8 +15,8 @@ import torch
 from sa_kernels import indexer_score_tile, stable_topk
 from sa_kernels.stable_topk import gluon_kernel_applies, stable_topk_workspace_bytes
 
-from .layouts import RegionMetadata, ScoreTile
-from .tile_rows import write_tile_rows
+from ..layouts import RegionMetadata, ScoreTile
+from ..tile_rows import write_tile_rows
 
 _LOW = 2**32
 _ID_FLIP = 2**31 - 1
@@ -35,6 +37,28 @@ SCORE_ROW_ALIGN = 16
 `stable_topk`'s loads are vector ones (Triton specialises strides divisible by 16; the scoring
 kernels do not specialise theirs). On the H200 the top-k of 4096 rows of 8200 entries took 1.35x
 the time of 8192-entry rows."""
+
+Plan = tuple[
+    list[ScoreTile],
+    list[tuple[int, int, int, list[ScoreTile]]],
+    dict[ScoreTile, tuple[torch.Tensor, torch.Tensor] | None],
+]
+"""A host plan of `select_regions_marked`: the merged scoring calls, their projection spans and
+each call's candidate bounds relative to its first region (method "threshold", else None)."""
+_HOST_PLANS: dict[int, dict[tuple, Plan]] = {}
+"""The plans of every live `RegionMetadata`, keyed by its identity (the metadata itself stays
+immutable) and dropped when it is collected."""
+
+
+def host_plans(metadata: RegionMetadata) -> dict[tuple, Plan]:
+    """The memoised host plans of `metadata`, by selection options: every layer of a forward shares
+    one metadata, so the plans are made once per forward (empty until a selection runs)."""
+    key = id(metadata)
+    plans = _HOST_PLANS.get(key)
+    if plans is None:
+        plans = _HOST_PLANS[key] = {}
+        weakref.finalize(metadata, _HOST_PLANS.pop, key, None)
+    return plans
 
 
 def select_regions(
@@ -103,7 +127,6 @@ def select_regions_tiled(
     project_rows: int = PROJECT_ROWS,
     method: str = "threshold",
     backend: str = "auto",
-    _mark: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """`select_regions` with queries produced on demand: `tile_inputs(b, q0, q1)` returns the query
     `[1, q1 - q0, G, H, D]` and weights `[1, q1 - q0, G, H]` of rows `[q0, q1)` of batch row b. It
@@ -112,20 +135,58 @@ def select_regions_tiled(
     span's row count, so scores (and ids, at FP32 near-ties) can change in the last bits with
     `project_rows` and with `score_budget_bytes` (spans end where merged calls end).
 
-    `_mark(stage)` (private, for the benchmark's per-stage timing) is called after each stage of the
-    walk with the stage's name ("project_queries", "score", "topk", "merge")."""
+    Args: `tile_inputs`, then `groups` (G), `summary` and `metadata` as `select_regions`;
+    `project_rows` as above; the other options as `select_regions`.
+    Returns: as `select_regions`.
+    Raises: as `select_regions`; `project_rows < 1`.
+    """
+    return select_regions_marked(
+        tile_inputs,
+        groups,
+        summary,
+        metadata,
+        no_mark,
+        region_chunk=region_chunk,
+        score_budget_bytes=score_budget_bytes,
+        project_rows=project_rows,
+        method=method,
+        backend=backend,
+    )
+
+
+def no_mark(stage: str) -> None:
+    """The `mark` of an untimed selection: does nothing."""
+    return None
+
+
+def select_regions_marked(
+    tile_inputs: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+    groups: int,
+    summary: torch.Tensor,
+    metadata: RegionMetadata,
+    mark: Callable[[str], None],
+    *,
+    region_chunk: int = 16384,
+    score_budget_bytes: int = 2**30,
+    project_rows: int = PROJECT_ROWS,
+    method: str = "threshold",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`select_regions_tiled`, calling `mark(stage)` after each stage of the walk with the stage's
+    name ("project_queries", "score", "topk", "merge"): internal, for the benchmark's per-stage
+    timing (`Step5SparseIndexer._forward`)."""
     if method not in METHODS:
         raise ValueError(f"select_regions: method must be one of {METHODS}; got {method!r}")
     for name, value in (("region_chunk", region_chunk), ("project_rows", project_rows)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"select_regions: {name} must be an int >= 1; got {value!r}")
-    mark = _mark if _mark is not None else _no_mark
     # The same for every layer of the forward, so planned once: the calls (about 1 ms of host time
     # at 131 072 tokens, during which the GPU would wait) and each call's candidate bounds relative
     # to its first region (two small kernels per call and layer otherwise). The metadata fixes the
     # device; its type picks the top-k path whose bytes the budget counts.
+    plans = host_plans(metadata)
     plan_key = (groups, score_budget_bytes, project_rows, method, region_chunk, summary.device.type)
-    plan = metadata.host_plans.get(plan_key)
+    plan = plans.get(plan_key)
     if plan is None:
         call_bytes = score_call_bytes(method, summary.device, region_chunk, metadata.topk)
         merged = _merge_tiles(metadata.score_tiles, groups, score_budget_bytes, call_bytes)
@@ -134,7 +195,7 @@ def select_regions_tiled(
             for call in merged
         }
         plan = (merged, _projection_spans(merged, project_rows), bounds)
-        metadata.host_plans[plan_key] = plan
+        plans[plan_key] = plan
     merged, spans, bounds = plan
     out = _dense_outside(metadata, groups, merged)
     for b, s0, s1, calls in spans:
@@ -221,10 +282,6 @@ def select_regions_dense(metadata: RegionMetadata, groups: int) -> torch.Tensor:
     return _dense_outside(metadata, groups, [])
 
 
-def _no_mark(stage: str) -> None:
-    return None
-
-
 def _tile_topk(
     query: torch.Tensor,
     weights: torch.Tensor,
@@ -234,7 +291,7 @@ def _tile_topk(
     region_chunk: int,
     method: str,
     backend: str,
-    mark: Callable[[str], None] = _no_mark,
+    mark: Callable[[str], None] = no_mark,
     out: torch.Tensor | None = None,
     first_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, int]:

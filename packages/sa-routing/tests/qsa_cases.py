@@ -1,4 +1,4 @@
-"""Builders shared by the QSA tests and benchmarks: rotary tables, packed positions, small indexers,
+"""Test support for the QSA tests (not part of the package): packed positions, small indexers,
 random selection inputs and the selection-equals-oracle check."""
 
 from __future__ import annotations
@@ -9,13 +9,6 @@ import torch
 
 from sa_routing import QSAIndexer, QSAIndexerConfig, select_qsa_token_ids
 from sa_routing.qsa.selection.reference import select_qsa_token_ids_reference
-
-
-def rotary_table(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """`cat(cos, sin)` [..., rotary_dim] FP32 at integer `positions` [...]."""
-    inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    angle = positions.to(torch.float64)[..., None] * inv
-    return torch.cat((angle.cos(), angle.sin()), dim=-1).float()
 
 
 def document_positions(cu_seqlens: tuple[int, ...], total: int) -> torch.Tensor:

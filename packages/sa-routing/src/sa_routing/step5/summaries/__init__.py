@@ -1,8 +1,18 @@
-"""Region summaries: gather each region's key/logit rows, pool them with a per-dimension softmax."""
+"""Region summaries: gather each region's key/logit rows, pool them with a per-dimension softmax.
+
+The oracle, `reference.py`, pools each region on its own from a token-by-token walk."""
 
 import torch
 
 from sa_kernels import round_to_e4m3
+
+from ..layouts import RegionMetadata
+
+SUMMARY_CHUNK_REGIONS = 16384
+"""Regions summarised per call of `_summarize_regions` (about 50 KB of temporaries per region, 0.8 GB
+per call at this size, below the scoring calls' peak): each call is some twenty small launches,
+whose host time the GPU waited for at the start of a forward (4096 took 0.99 ms of host time at
+65 536 tokens on the H200's host, docs/benchmarks.md)."""
 
 
 def gather_region_payload(
@@ -38,10 +48,51 @@ def gather_region_payload(
     return key_rows, logit_rows
 
 
-def summarize_regions(
+def region_summaries(
+    keys: torch.Tensor, logits: torch.Tensor, metadata: RegionMetadata
+) -> torch.Tensor:
+    """Summaries of the regions the score tiles read: per region and dimension
+    `Σ_t softmax_t(z_td) · k_td` over its valid tokens in FP32, rounded FP32 → BF16 → E4M3 → BF16.
+
+    Args:
+        keys: [B, S, proxy_dim] BF16, normalised and rotated indexer keys of the whole sequence
+            `metadata` describes (B = `metadata.batch_size`, S = `metadata.global_length`).
+        logits: [B, S, proxy_dim], compression logits `z` of the same tokens.
+        metadata: `region_metadata(...)` of this forward and shard.
+    Returns:
+        BF16 [B, N, proxy_dim], N = `metadata.region_count`, every value representable in
+        float8_e4m3fn: the regions in `metadata.summary_ranges`, zero elsewhere.
+    Raises:
+        ValueError: keys or logits are not floating [B, S, D] of `metadata`'s batch and length.
+    """
+    for name, t in (("keys", keys), ("logits", logits)):
+        want = (metadata.batch_size, metadata.global_length)
+        if t.dim() != 3 or tuple(t.shape[:2]) != want or not t.is_floating_point():
+            raise ValueError(
+                f"region_summaries: {name} must be floating [batch, global_length, D] with "
+                f"(batch, global_length) = {want}; got {tuple(t.shape)} {t.dtype}"
+            )
+    batch, _, dim = keys.shape
+    summary = torch.zeros(
+        batch, metadata.region_count, dim, dtype=torch.bfloat16, device=keys.device
+    )
+    for b, first, past in metadata.summary_ranges:
+        for c0 in range(first, past, SUMMARY_CHUNK_REGIONS):
+            c1 = min(c0 + SUMMARY_CHUNK_REGIONS, past)
+            summary[b, c0:c1] = _summarize_regions(
+                keys[b : b + 1],
+                logits[b : b + 1],
+                metadata.region_sources[b : b + 1, c0:c1],
+                metadata.region_source_valid[b : b + 1, c0:c1],
+            )[0]
+    return summary
+
+
+def _summarize_regions(
     keys: torch.Tensor, logits: torch.Tensor, sources: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
-    """Per region and dimension `Σ_t softmax_t(z_td) · k_td` in FP32, rounded FP32 → BF16 → E4M3 → BF16.
+    """`region_summaries` of the given regions: per region and dimension `Σ_t softmax_t(z_td) · k_td`
+    in FP32, rounded FP32 → BF16 → E4M3 → BF16.
 
     Args: as `gather_region_payload`.
     Returns:
