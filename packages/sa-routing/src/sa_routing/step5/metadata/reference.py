@@ -46,10 +46,10 @@ def reference_regions(
 
 class TorchMetadata:
     """The PyTorch path of `region_metadata` (CPU, `backend="reference"`; the oracle of
-    `triton_kernels.DeviceMetadata`): `__init__`
-    derives every tensor the host must read with cumulative sums and reductions and holds them in
-    `host` (int64: the flags, the varlen statistics, then the [4, B, chunks] tile bounds);
-    `finish` builds the tensors that need the region count."""
+    `triton_kernels.DeviceMetadata`): `__init__` derives every tensor the host must read with
+    cumulative sums and reductions and holds them in `host` (int64: the flags, the varlen
+    statistics, then the [4, B, chunks] tile bounds); `finish` builds the tensors that need the
+    region count."""
 
     def __init__(
         self,
