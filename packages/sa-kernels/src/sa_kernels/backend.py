@@ -28,9 +28,32 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+DeviceLike = torch.device | torch.Tensor | str | int | None
+
+
+def device_capability(device: DeviceLike) -> tuple[int, int] | None:
+    """The compute capability `(major, minor)` of the CUDA device `device` names, asked of the driver
+    once per device (dispatch checks it on every call); None for a device that is not CUDA.
+
+    The one place the GPU generation is read. `device`: a CUDA device index, a `torch.device` or
+    device string, or a tensor (its device); an index-less CUDA device or None is the current one.
+    """
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if device is None or isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    return _cuda_capability(index)
+
+
 @functools.cache
-def device_capability(device_index: int) -> tuple[int, int]:
-    """A CUDA device's compute capability, asked once (kernel dispatch checks it on every call)."""
+def _cuda_capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
@@ -45,8 +68,24 @@ def gluon_module(name: str):
         return None
 
 
+@functools.cache
 def has_triton() -> bool:
+    """Whether the triton package is installed (looked up once per process)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_unavailable_reason(device: torch.device, *, named: str | None = None) -> str | None:
+    """None when Triton kernels can run on tensors of `device` (CUDA, or any other device under
+    Triton's interpreter); otherwise why not, worded to follow "backend='<name>'" (the device is
+    called `named`, default `str(device)`)."""
+    if not has_triton():
+        return "needs the triton package, which is not installed"
+    if device.type != "cuda" and not triton_interpret():
+        return (
+            f"on {named or device} tensors needs TRITON_INTERPRET=1 (Triton's interpreter); use "
+            "CUDA tensors or backend='reference'"
+        )
+    return None
 
 
 def resolve_backend(
@@ -66,15 +105,10 @@ def resolve_backend(
         return "reference"
     if backend == "auto":
         return "triton" if on_cuda and has_triton() else "reference"
-    if not has_triton():
-        raise RuntimeError(
-            f"{op}: backend='triton' needs the triton package, which is not installed"
-        )
-    if not on_cuda and not triton_interpret():
-        raise RuntimeError(
-            f"{op}: backend='triton' on {sorted(devices)} tensors needs TRITON_INTERPRET=1 "
-            "(Triton's interpreter); use CUDA tensors or backend='reference'"
-        )
+    device = torch.device(next(iter(devices), "cpu"))
+    reason = triton_unavailable_reason(device, named=str(sorted(devices)))
+    if reason is not None:
+        raise RuntimeError(f"{op}: backend='triton' {reason}")
     return "triton"
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sa_kernels import clamped_swiglu
+from sa_kernels.backend import device_capability
 
 from .mlp import ClampedSwiGLUMLP
 
@@ -382,7 +383,7 @@ class Step5MoE(nn.Module):
                 fast_device = (
                     device.type == "cuda"
                     and dtype == torch.bfloat16
-                    and torch.cuda.get_device_capability(device)[0] == 9
+                    and device_capability(device)[0] == 9
                 )
                 usable = fast_device and self.experts.grouped_mm_refusal(device, dtype) is None
                 path = "grouped_mm" if usable else "loop"
