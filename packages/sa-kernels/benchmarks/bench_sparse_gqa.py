@@ -21,7 +21,8 @@ TFLOP/s count the selected (query head, key) pairs: 4·D flops each forward, 14�
 (dense causal SDPA: S(S+1)/2 pairs per head). `vs_dense` = dense ms / ms (> 1: faster than dense);
 `vs_block` = TFLOP/s / block-flex TFLOP/s (the issue's ≥ 0.8 target for clustered routes).
 `--sweep` times Flex on the clustered per-group D 128 routes under candidate `kernel_options`
-(passed through sparse_gqa_attention's private `_flex_options`) and prints the fastest.
+(passed through `sparse_gqa._attention`'s `flex_options`, the public call's internal twin) and
+prints the fastest.
 `--sweep-gather` times the gather kernels' launch candidates (`SWEEP_FORWARD_CONFIGS`,
 `SWEEP_BACKWARD_CONFIGS`) on the scattered routes, forward and backward apart, each checked against the
 default launch first.
@@ -42,14 +43,14 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from sa_kernels.sparse_gqa import (
+    _attention,
     auto_backend,
     build_route_block_mask,
     flex_kernel_options,
-    sparse_gqa_attention,
 )
 from sa_kernels.sparse_gqa.block_mask import TILE
 from sa_kernels.sparse_gqa.fa4 import fa4_unavailable_reason
-from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
+from sa_kernels.sparse_gqa.flex import compiled_flex
 from sa_kernels.sparse_gqa.triton_kernels import (
     SWEEP_BACKWARD_CONFIGS,
     SWEEP_FORWARD_CONFIGS,
@@ -57,6 +58,7 @@ from sa_kernels.sparse_gqa.triton_kernels import (
     gather_attention_backward,
     gather_attention_forward,
 )
+from sa_kernels.synthetic import clustered_routes, scattered_routes
 
 KINDS = ("clustered", "scattered")
 GEOMETRIES = [
@@ -134,13 +136,6 @@ class Table:
         return row
 
 
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def _block_aligned_mask(route_mask):
     """The route mask's tiles (full off the diagonal, the diagonal partial) with a mask_mod that is
     causal inside the tiles the block lists name (one tile-table lookup: exact also where Flex
@@ -168,7 +163,7 @@ def _block_aligned_mask(route_mask):
 
 def _block_flex(q, k, v, *, mask, options):
     extra = {} if options is None else {"kernel_options": options}
-    out = _compiled_flex()(
+    out = compiled_flex()(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
@@ -180,9 +175,7 @@ def _block_flex(q, k, v, *, mask, options):
 
 
 def _attend(q, k, v, *, ids, backend, block_mask, options=None):
-    return sparse_gqa_attention(
-        q, k, v, ids, backend=backend, block_mask=block_mask, _flex_options=options
-    )
+    return _attention(q, k, v, ids, backend=backend, block_mask=block_mask, flex_options=options)
 
 
 def _try(label, fn, *args):

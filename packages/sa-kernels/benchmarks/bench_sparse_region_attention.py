@@ -3,7 +3,7 @@ causal SDPA, all in one run.
 
 Geometry: 64 query heads / 4 KV groups / head_dim 192 (SEMANTICS §1.1), region_size 8, topk 512
 historical regions plus the current one per (group, query) (§1.2), BF16. Two selection structures
-(`synthetic_regions.csa_selection`, one selection per KV group):
+(`sa_kernels.synthetic.csa_selection`, one selection per KV group):
 
     csa         one document over the whole sequence: rows past 512 regions select 512 random
                 earlier regions plus their own (scattered), earlier rows every region up to theirs
@@ -47,7 +47,6 @@ from sa_kernels.sparse_region_attention import (
     sparse_region_attention,
 )
 from sa_kernels.sparse_region_attention.reference import region_key_rows
-from sa_kernels.sparse_region_attention.synthetic_regions import csa_selection, region_layout
 from sa_kernels.sparse_region_attention.triton_kernels import (
     SWEEP_BACKWARD_CONFIGS,
     SWEEP_FORWARD_CONFIGS,
@@ -55,6 +54,7 @@ from sa_kernels.sparse_region_attention.triton_kernels import (
     region_attention_backward,
     region_attention_forward,
 )
+from sa_kernels.synthetic import csa_selection, region_layout
 
 KINDS = ("csa", "short-docs")
 HEADS, GROUPS, HEAD_DIM, REGION_SIZE, TOPK = 64, 4, 192, 8, 512

@@ -29,7 +29,6 @@ from sa_kernels.sparse_gqa.reference import (
     sparse_gqa_attention_reference,
 )
 from sa_kernels.sparse_gqa.routes import canonical_routes
-from sa_kernels.sparse_gqa.synthetic_routes import clustered_routes, scattered_routes
 from sa_kernels.sparse_gqa.triton_kernels import (
     SWEEP_BACKWARD_CONFIGS,
     SWEEP_FORWARD_CONFIGS,
@@ -37,6 +36,7 @@ from sa_kernels.sparse_gqa.triton_kernels import (
     gather_attention_forward,
     key_split_bounds,
 )
+from sa_kernels.synthetic import clustered_routes, scattered_routes
 
 
 def _inputs(
@@ -272,7 +272,7 @@ def test_eager_flex_over_route_block_mask_matches_oracle(per_group):
     (forward only: Flex has no CPU backward; the gpu tests check gradients)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from sa_kernels.sparse_gqa import _flex
+    from sa_kernels.sparse_gqa.flex import flex_attend
 
     q, k, v, gen = _inputs(1, 200, 4, 2, 16, 261, torch.float32)
     q, k, v = q.detach(), k.detach(), v.detach()
@@ -283,7 +283,7 @@ def test_eager_flex_over_route_block_mask_matches_oracle(per_group):
     )  # one full tile (routes need not be causal)
     ids = ids if per_group else ids[:, 0]
     mask = build_route_block_mask(ids, 261, 4)
-    out = _flex(flex_attention, q, k, v, mask, 0.3)
+    out = flex_attend(flex_attention, q, k, v, mask, 0.3)
     ref = sparse_gqa_attention_reference(q, k, v, ids, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert mask.flex.full_kv_num_blocks.sum() > 0 and mask.flex.kv_num_blocks.sum() > 0
@@ -295,7 +295,7 @@ def test_compiled_flex_on_cpu_matches_oracle_and_new_routes_reuse_the_compiled_k
     """The mask_mod compiles through inductor; routes of one geometry never recompile it."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from sa_kernels.sparse_gqa import _flex
+    from sa_kernels.sparse_gqa.flex import flex_attend
 
     compiled = torch.compile(flex_attention, dynamic=False)
     for seed in range(2):
@@ -305,7 +305,7 @@ def test_compiled_flex_on_cpu_matches_oracle_and_new_routes_reuse_the_compiled_k
         ids[..., :128, :128] = torch.arange(128, 256, dtype=torch.int32)  # a full tile
         mask = build_route_block_mask(ids, 300, 8)
         with torch._dynamo.config.patch(error_on_recompile=seed > 0):
-            out = _flex(compiled, q, k, v, mask, 0.2)
+            out = flex_attend(compiled, q, k, v, mask, 0.2)
         ref = sparse_gqa_attention_reference(q, k, v, ids, 0.2)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -628,7 +628,7 @@ def test_auto_prefers_fa4_where_it_runs_and_flex_for_forward_only_calls_at_head_
     """The decision alone (no GPU): FA4 made to look usable."""
     import sa_kernels.sparse_gqa as sparse_gqa
 
-    monkeypatch.setattr(sparse_gqa, "fa4_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(sparse_gqa, "fa4_unavailable_reason", lambda device, capability: None)
     gen = torch.Generator().manual_seed(8)
     clustered = clustered_routes(1, 1, 384, 384, tiles_per_query=2, generator=gen)[:, 0]
     causal = build_route_block_mask(clustered, 384, 4)
@@ -647,6 +647,80 @@ def test_auto_prefers_fa4_where_it_runs_and_flex_for_forward_only_calls_at_head_
         auto_backend(causal, "cuda", dtype=torch.float32, capability=(9, 0), head_dim=128)
         == "gather"
     )
+
+
+def _counting(monkeypatch, module, name, calls):
+    """Wrap `module.name` so that each call appends `name` to `calls`."""
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_fa4_attention_asks_no_route_or_install_question_again(monkeypatch):
+    """The caller checks once (auto_backend, or the explicit backend's checks); the FA4 call then
+    runs: a stand-in flash-attn-4 records the tiles it is handed, and the checks are made to fail."""
+    import sys
+    import types
+
+    from sa_kernels.sparse_gqa import fa4
+
+    handed = []
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface.flash_attn_func = lambda q, k, v, **kw: (handed.append(kw) or q.clone(), None)
+    sparsity = types.ModuleType("flash_attn.cute.block_sparsity")
+    sparsity.BlockSparseTensorsTorch = lambda *lists, block_size: (lists, block_size)
+    for name, module in (
+        ("flash_attn", types.ModuleType("flash_attn")),
+        ("flash_attn.cute", types.ModuleType("flash_attn.cute")),
+        ("flash_attn.cute.interface", interface),
+        ("flash_attn.cute.block_sparsity", sparsity),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    def asked_again(*args, **kwargs):
+        raise AssertionError("asked again")
+
+    for name in ("fa4_route_issue", "fa4_unavailable_reason", "device_capability"):
+        monkeypatch.setattr(fa4, name, asked_again)
+    gen = torch.Generator().manual_seed(8)
+    ids = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen)[:, 0]
+    mask = build_route_block_mask(ids, 256, 4)
+    q, k, v, _ = _inputs(1, 256, 4, 2, 64, 256, torch.bfloat16)
+    out = fa4.fa4_attention(q, k, v, mask, 0.125)
+    assert torch.equal(out, q) and len(handed) == 1
+    assert handed[0]["block_sparse_tensors"][1] == (TILE, TILE) and handed[0]["causal"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "fa4"])
+def test_cuda_fa4_path_makes_each_decision_once(monkeypatch, backend):
+    """On the auto → fa4 path and on backend='fa4', the routes, the install and the GPU generation
+    are each checked once per call."""
+    import sa_kernels.sparse_gqa as sparse_gqa
+    from sa_kernels.sparse_gqa import fa4
+
+    q, k, v, gen = _inputs(1, 256, 4, 2, 64, 256, torch.bfloat16, "cuda")
+    if (reason := fa4_unavailable_reason(q.device)) is not None:
+        pytest.skip(reason)
+    ids = clustered_routes(1, 1, 256, 256, tiles_per_query=2, generator=gen, device="cuda")[:, 0]
+    mask = build_route_block_mask(ids, 256, 4)
+    calls = []
+    for module in (sparse_gqa, fa4):
+        for name in ("fa4_route_issue", "fa4_unavailable_reason", "device_capability"):
+            _counting(monkeypatch, module, name, calls)
+    assert (
+        sparse_gqa.auto_backend(mask, q.device, dtype=q.dtype, head_dim=64, capability=(9, 0))
+        == "fa4"
+    )
+    calls.clear()
+    out = sparse_gqa_attention(q, k, v, ids, backend=backend, block_mask=mask)
+    assert sorted(calls) == ["device_capability", "fa4_route_issue", "fa4_unavailable_reason"]
+    ref = sparse_gqa_attention_reference(q.float(), k.float(), v.float(), ids)
+    assert _relative_error(out, ref) < 1e-2
 
 
 def test_repeated_ids_keep_the_causal_mask_mod():

@@ -15,11 +15,11 @@ from sa_kernels.sparse_region_attention import (
 )
 from sa_kernels.sparse_region_attention.block_mask import TILE, token_regions
 from sa_kernels.sparse_region_attention.reference import sparse_region_attention_reference
-from sa_kernels.sparse_region_attention.synthetic_regions import csa_selection, region_layout
 from sa_kernels.sparse_region_attention.triton_kernels import (
     region_attention_backward,
     region_attention_forward,
 )
+from sa_kernels.synthetic import csa_selection, region_layout
 
 
 def _inputs(batch, queries, heads, groups, head_dim, kv_length, dtype, device="cpu", seed=0):
@@ -340,7 +340,7 @@ def test_eager_flex_over_region_block_mask_matches_oracle(groups):
     (forward only: Flex has no CPU backward; the gpu tests check gradients)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from sa_kernels.sparse_region_attention import _flex
+    from sa_kernels.sparse_gqa.flex import flex_attend
 
     q, k, v, gen = _inputs(1, 200, 4, groups, 16, 290, torch.float32)
     q, k, v = q.detach(), k.detach(), v.detach()
@@ -351,7 +351,7 @@ def test_eager_flex_over_region_block_mask_matches_oracle(groups):
     )  # fmt: skip
     ids[..., 7, :] = sources.shape[1]  # a row with no region
     mask = build_region_block_mask(ids, sources, 290, 4, query_start=90)
-    out = _flex(flex_attention, q, k, v, mask, 0.3)
+    out = flex_attend(flex_attention, q, k, v, mask, 0.3)
     ref = sparse_region_attention_reference(q, k, v, ids, sources, 90, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert out[:, 7].abs().max() == 0

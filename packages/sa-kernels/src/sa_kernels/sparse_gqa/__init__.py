@@ -2,31 +2,36 @@
 
 Backends: "reference" (the chunked PyTorch oracle, CPU or CUDA), "gather" (Triton kernels that load
 only the selected K/V rows; on CPU through TRITON_INTERPRET=1), "flex" (compiled FlexAttention over
-`build_route_block_mask`'s 128×128 BlockMask, CUDA only; shared or per-KV-group routes), "fa4"
-(FlashAttention-4's block-sparse kernels, for routes of whole tiles plus exact causal cuts; needs the
-optional flash-attn-4; see `fa4.py`), "auto" (see `auto_backend`).
+`build_route_block_mask`'s 128×128 BlockMask, CUDA only; shared or per-KV-group routes; kernel
+options in `flex.py`), "fa4" (FlashAttention-4's block-sparse kernels, for routes of whole tiles
+plus exact causal cuts; needs the optional flash-attn-4; see `fa4.py`), "auto" (see
+`auto_backend`).
 
-Flex kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
-head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) need 256–368 KiB of shared
-memory with the route `mask_mod` (227 KiB available), while head_dim 256 compiles with its 64×64,
-2-stage defaults. `flex_kernel_options` therefore pins, for
-head_dim <= 128 (16-bit inputs on CUDA) and the bitmap mask_mod, the fastest configuration of an H200
-sweep that fits: forward 128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps.
-Every tile divides the 128-wide route tiles, as Flex requires (its BlockMask block size must be a
-multiple of the kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults,
-which is what a block-aligned causal Flex mask compiles to.
+Each decision is made once per call: the GPU generation is read once (`backend.device_capability`)
+and handed to `auto_backend`, the FA4 checks and the Flex options; a backend `auto_backend` picks is
+not checked again, and an explicitly requested one is checked once before it runs.
 """
-
-import functools
-import math
-import numbers
 
 import torch
 
-from sa_kernels.backend import triton_interpret
+from sa_kernels.backend import device_capability
 
 from .block_mask import FLEX_MIN_OCCUPANCY, RouteBlockMask, build_route_block_mask
+from .checks import (
+    check_fast_backend,
+    check_one_device,
+    check_qkv,
+    check_tensors,
+    softmax_scale_value,
+)
 from .fa4 import fa4_attention, fa4_route_issue, fa4_unavailable_reason
+from .flex import (
+    FLEX_TESTED_CAPABILITIES,
+    FLEX_TESTED_DTYPES,
+    compiled_flex,
+    flex_attend,
+    flex_kernel_options,
+)
 from .reference import sparse_gqa_attention_reference
 from .triton_kernels import gather_attention_backward, gather_attention_forward
 
@@ -40,7 +45,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class _GatherAttention(torch.autograd.Function):
@@ -59,94 +63,6 @@ class _GatherAttention(torch.autograd.Function):
             query, key, value, out, grad_out, lse, routes, counts, ctx.scale
         )
         return dq, dk, dv, None, None, None
-
-
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-# Flex tiles for head_dim <= 128 on CUDA (see the module docstring): forward BLOCK_M × BLOCK_N,
-# backward BLOCK_M1 × BLOCK_N1 (dK/dV) and BLOCK_M2 × BLOCK_N2 (dQ); unprefixed keys, which every
-# torch release with FlexAttention reads (forward and backward each take the names they know).
-# The fastest of `bench_sparse_gqa.py --sweep` on the H200 (clustered per-group routes, 32k,
-# Hq 64 / Hkv 4 / D 128, bitmap mask_mod): fwd+bwd 54.6 ms against 77.2 ms for 64×64 tiles with 4
-# warps; 128×128 forward tiles with a mask_mod need 294 912 bytes of shared memory (the limit is
-# 232 448).
-_SMALL_HEAD_FLEX_OPTIONS = {
-    "BLOCK_M": 128,
-    "BLOCK_N": 64,
-    "BLOCK_M1": 64,
-    "BLOCK_N1": 128,
-    "BLOCK_M2": 128,
-    "BLOCK_N2": 64,
-    "num_stages": 2,
-    "num_warps": 8,
-}
-
-
-FLEX_TESTED_CAPABILITIES = ((9, 0),)
-"""GPU generations (compute capability) where `auto` may pick Flex: measured and tested there."""
-_FLEX_TESTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
-def flex_kernel_options(
-    head_dim: int,
-    dtype: torch.dtype,
-    device_type: str,
-    capability: tuple[int, int] | None = (9, 0),
-    *,
-    bitmap_mask: bool = True,
-) -> dict | None:
-    """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
-
-    With the bitmap mask_mod (`bitmap_mask`; False: the arithmetic causal one, see
-    `RouteBlockMask.statistics.causal_offset`), 16-bit inputs on an sm_90 GPU (`capability` (9, 0))
-    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of
-    shared memory); the causal mask_mod, head_dim > 128, FP32, CPU and other GPU generations keep
-    torch's defaults.
-    """
-    if (
-        not bitmap_mask
-        or device_type != "cuda"
-        or dtype == torch.float32
-        or head_dim > 128
-        or capability != (9, 0)
-    ):
-        return None
-    return dict(_SMALL_HEAD_FLEX_OPTIONS)
-
-
-def _flex(
-    attention,
-    query,
-    key,
-    value,
-    block_mask: RouteBlockMask,
-    scale: float,
-    kernel_options: dict | None = None,
-) -> torch.Tensor:
-    """Flex attention over the route BlockMask in our [batch, tokens, heads, dim] layout."""
-    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
-    out = attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        block_mask=block_mask.flex,
-        scale=scale,
-        enable_gqa=True,
-        **extra,
-    )
-    return out.transpose(1, 2).contiguous()
 
 
 def auto_backend(
@@ -177,10 +93,10 @@ def auto_backend(
     if torch.device(device).type != "cuda":
         return "reference"
     if capability is None:
-        capability = _cuda_capability(device)
+        capability = device_capability(device)
     shared_routes = block_mask.routes.shape[1] == 1
     in_envelope = (
-        dtype in _FLEX_TESTED_DTYPES
+        dtype in FLEX_TESTED_DTYPES
         and (head_dim <= 128 or (head_dim == 256 and shared_routes))
         and capability in FLEX_TESTED_CAPABILITIES
     )
@@ -194,7 +110,7 @@ def auto_backend(
         dtype != torch.float32
         and (head_dim <= 128 or requires_grad)
         and fa4_route_issue(block_mask, head_dim) is None
-        and fa4_unavailable_reason(device) is None
+        and fa4_unavailable_reason(device, capability) is None
     ):
         return "fa4"
     return "flex"
@@ -203,18 +119,8 @@ def auto_backend(
 def _validate(fn, query, key, value, token_ids, backend):
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
-    for name, t in (("query", query), ("key", key), ("value", value), ("token_ids", token_ids)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be 4-D; got shape {tuple(t.shape)}")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"{fn}: query, key and value must share one dtype; got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
-    if not query.dtype.is_floating_point:
-        raise TypeError(f"{fn}: query must be a floating tensor; got {query.dtype}")
+    check_tensors(fn, query=query, key=key, value=value, token_ids=token_ids)
+    check_qkv(fn, query, key, value)
     if token_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: token_ids must be int32 or int64; got {token_ids.dtype}")
     batch, queries, query_heads, head_dim = query.shape
@@ -248,11 +154,7 @@ def _validate(fn, query, key, value, token_ids, backend):
         )
     if token_ids.shape[-1] < 1:
         raise ValueError(f"{fn}: token_ids must hold at least one slot per row; got W = 0")
-    devices = {t.device for t in (query, key, value, token_ids)}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{fn}: all tensors must be on one device; got {sorted(map(str, devices))}"
-        )
+    check_one_device(fn, (query, key, value, token_ids))
 
 
 def _check_block_mask(fn, block_mask, query, key, token_ids):
@@ -277,18 +179,6 @@ def _check_block_mask(fn, block_mask, query, key, token_ids):
         )
 
 
-def _scale(fn: str, softmax_scale: object) -> float:
-    """A real number or a one-element tensor (read once) as a finite float."""
-    real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-    one_element = isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
-    if not (real or one_element):
-        raise TypeError(f"{fn}: softmax_scale must be None or a float; got {softmax_scale!r}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{fn}: softmax_scale must be finite and > 0; got {scale}")
-    return scale
-
-
 def sparse_gqa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -298,7 +188,6 @@ def sparse_gqa_attention(
     *,
     backend: str = "auto",
     block_mask: RouteBlockMask | None = None,
-    _flex_options: dict | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query row over the keys its route selects (GQA, K/V not expanded).
 
@@ -322,8 +211,6 @@ def sparse_gqa_attention(
             over the mask's routes and do not read `token_ids` again (only its shape is checked:
             comparing the ids would cost a pass and a host sync per call), so the mask must come
             from these same ids; the reference backend reads `token_ids`.
-        _flex_options: private; Flex `kernel_options` overriding `flex_kernel_options` (benchmark
-            sweeps).
     Returns:
         [batch, queries, query_heads, head_dim] in query.dtype; FP32 softmax; a row with no valid id
         gives 0 and zero gradients. With batch or queries 0 the (empty) result is returned without
@@ -338,35 +225,44 @@ def sparse_gqa_attention(
         RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
             TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given).
     """
+    return _attention(
+        query, key, value, token_ids, softmax_scale, backend=backend, block_mask=block_mask
+    )
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    token_ids: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    backend: str = "auto",
+    block_mask: RouteBlockMask | None = None,
+    flex_options: dict | None = None,
+) -> torch.Tensor:
+    """`sparse_gqa_attention`, for benchmarks: `flex_options` (Flex `kernel_options`) replaces
+    `flex_kernel_options`' choice on the Flex backend (`bench_sparse_gqa.py --sweep`)."""
     fn = "sparse_gqa_attention"
     _validate(fn, query, key, value, token_ids, backend)
     if block_mask is not None:
         _check_block_mask(fn, block_mask, query, key, token_ids)
-    scale = query.shape[-1] ** -0.5 if softmax_scale is None else _scale(fn, softmax_scale)
+    head_dim = query.shape[-1]
+    scale = softmax_scale_value(fn, softmax_scale, head_dim)
     if query.shape[0] == 0 or query.shape[1] == 0:
         return query * 0  # empty, and still on query's autograd graph
-    on_cuda = query.device.type == "cuda"
+    capability = device_capability(query)  # None on CPU
     if backend == "fa4":
         if query.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"{fn}: backend='fa4' takes bfloat16 or float16; got {query.dtype}")
-        reason = fa4_unavailable_reason(query.device)
+        reason = fa4_unavailable_reason(query.device, capability)
         if reason is not None:
             raise RuntimeError(f"{fn}: backend='fa4' cannot run: {reason}")
-    if backend == "auto" and not on_cuda:
+    if backend == "auto" and query.device.type != "cuda":
         backend = "reference"
     if backend == "reference":
         return sparse_gqa_attention_reference(query, key, value, token_ids, scale)
-    if query.dtype not in _FLOATS:
-        raise TypeError(
-            f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
-        )
-    if backend == "flex" and not on_cuda:
-        raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
-    if backend == "gather" and not on_cuda and not triton_interpret():
-        raise RuntimeError(
-            f"{fn}: backend='gather' on {query.device} tensors needs TRITON_INTERPRET=1 (Triton's "
-            "interpreter); use CUDA tensors or backend='reference'"
-        )
+    check_fast_backend(fn, backend, query)
     if block_mask is None:
         block_mask = build_route_block_mask(
             token_ids,
@@ -374,32 +270,32 @@ def sparse_gqa_attention(
             query.shape[2],
             build_flex={"flex": True, "fa4": True, "gather": False}.get(backend),
         )
-    if backend == "auto":
+    if backend == "auto":  # its choice of fa4 has checked the routes and the install
         backend = auto_backend(
             block_mask,
             query.device,
             dtype=query.dtype,
-            head_dim=query.shape[-1],
+            head_dim=head_dim,
+            capability=capability,
             requires_grad=torch.is_grad_enabled()
             and any(t.requires_grad for t in (query, key, value)),
         )
+    elif backend == "fa4" and (issue := fa4_route_issue(block_mask, head_dim)) is not None:
+        raise ValueError(f"{fn}: backend='fa4': {issue}")
     if backend == "fa4":
-        issue = fa4_route_issue(block_mask, query.shape[-1])
-        if issue is not None:
-            raise ValueError(f"{fn}: backend='fa4': {issue}")
         return fa4_attention(query, key, value, block_mask, scale)
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
-        options = _flex_options
+        options = flex_options
         if options is None:
             options = flex_kernel_options(
-                query.shape[-1],
+                head_dim,
                 query.dtype,
                 query.device.type,
-                _cuda_capability(query.device),
+                capability,
                 bitmap_mask=block_mask.tile_statistics().causal_offset is None,
             )
-        return _flex(_compiled_flex(), query, key, value, block_mask, scale, options)
+        return flex_attend(compiled_flex(), query, key, value, block_mask, scale, options)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _GatherAttention.apply(query, key, value, block_mask.routes, block_mask.counts, scale)

@@ -132,6 +132,27 @@ def _blocks_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num.contiguous(), order.contiguous()
 
 
+def tiles_block_mask(
+    partial: torch.Tensor,
+    full: torch.Tensor,
+    mask_mod,
+    query_heads: int,
+    seq_lengths: tuple[int, int],
+):
+    """The Flex `BlockMask` of 128×128 tiles: `partial` and `full` bool [batch, route_heads,
+    query_tiles, key_tiles] (`mask_mod` runs on the partial ones), each route head's lists repeated
+    for its query_heads // route_heads query heads; `seq_lengths` (queries, kv_length)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lists = (*_blocks_first(partial), *_blocks_first(full))
+    route_heads = partial.shape[1]
+    if route_heads > 1:
+        lists = (t.repeat_interleave(query_heads // route_heads, dim=1) for t in lists)
+    return BlockMask.from_kv_blocks(
+        *lists, BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=seq_lengths
+    )
+
+
 WORDS_PER_TILE = TILE * TILE // 32
 _FULL = -2  # slot-table value of a full tile (untouched: −1, partial: its bitmap slot)
 
@@ -246,8 +267,6 @@ def build_route_block_mask(
     full, partial, statistics = _tile_masks(routes, kv_length)
     flex = None
     if build_flex or statistics.occupancy >= FLEX_MIN_OCCUPANCY:
-        from torch.nn.attention.flex_attention import BlockMask
-
         if statistics.causal_offset is not None:
             mask_mod = causal_mask_mod(statistics.causal_offset)
         else:
@@ -256,22 +275,7 @@ def build_route_block_mask(
             slots = torch.where(partial, order, slots)
             bits = partial_tile_bitmaps(routes, kv_length, slots, statistics.partial_tiles)
             mask_mod = route_mask_mod(slots, bits, query_heads)
-        kv_num, kv_idx = _blocks_first(partial)
-        full_num, full_idx = _blocks_first(full)
-        if route_heads > 1:
-            group = query_heads // route_heads
-            kv_num, kv_idx, full_num, full_idx = (
-                t.repeat_interleave(group, dim=1) for t in (kv_num, kv_idx, full_num, full_idx)
-            )
-        flex = BlockMask.from_kv_blocks(
-            kv_num,
-            kv_idx,
-            full_num,
-            full_idx,
-            BLOCK_SIZE=TILE,
-            mask_mod=mask_mod,
-            seq_lengths=(routes.shape[2], kv_length),
-        )
+        flex = tiles_block_mask(partial, full, mask_mod, query_heads, (routes.shape[2], kv_length))
     return RouteBlockMask(routes, counts, kv_length, query_heads, flex, statistics)
 
 

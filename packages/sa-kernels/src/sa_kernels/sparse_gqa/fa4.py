@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sa_kernels.backend import device_capability
+
 from .block_mask import TILE, RouteBlockMask, _blocks_first
 
 # Compute capabilities where this backend was measured and tested (FA4's sm_90 kernels), with
@@ -41,14 +43,18 @@ def _flash_attn_func():
     return flash_attn_func
 
 
-def fa4_unavailable_reason(device: torch.device | str | None = None) -> str | None:
-    """None when FA4 can run here (import works, a GPU generation in FA4_TESTED_CAPABILITIES);
-    otherwise why not."""
+def fa4_unavailable_reason(
+    device: torch.device | str | None = None, capability: tuple[int, int] | None = None
+) -> str | None:
+    """None when FA4 can run on `device` (import works, a GPU generation in
+    FA4_TESTED_CAPABILITIES); otherwise why not. `capability`: the device's, where the caller has
+    read it (`backend.device_capability`; default: read here)."""
     if (reason := _import_error()) is not None:
         return reason
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "needs CUDA tensors"
-    capability = torch.cuda.get_device_capability(device)
+    if capability is None:
+        capability = device_capability(device)
     if capability not in FA4_TESTED_CAPABILITIES:
         return f"tested on compute capability {FA4_TESTED_CAPABILITIES}; this GPU is {capability}"
     return None
@@ -118,11 +124,16 @@ def _dense(num: torch.Tensor, idx: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def fa4_tiles(block_mask: RouteBlockMask, head_dim: int) -> Fa4Tiles:
-    """The FA4 lists of these routes' tiles (cached on the mask per key-tile width)."""
-    key_tile = fa4_key_tile(head_dim)
+    """The FA4 lists of these routes' tiles (cached on the mask per key-tile width); raises
+    ValueError where `fa4_route_issue` finds one."""
     issue = fa4_route_issue(block_mask, head_dim)
     if issue is not None:
         raise ValueError(f"fa4_tiles: {issue}")
+    return _tiles(block_mask, fa4_key_tile(head_dim))
+
+
+def _tiles(block_mask: RouteBlockMask, key_tile: int) -> Fa4Tiles:
+    """`fa4_tiles` of routes `fa4_route_issue` has accepted (not checked again)."""
     cached = block_mask.cache.get(("fa4", key_tile))
     if cached is not None:
         return cached
@@ -159,10 +170,13 @@ def fa4_attention(
     block_mask: RouteBlockMask,
     scale: float,
 ) -> torch.Tensor:
-    """FA4 block-sparse causal attention over the route tiles; [batch, queries, query_heads, head_dim]."""
+    """FA4 block-sparse causal attention over the route tiles; [batch, queries, query_heads, head_dim].
+
+    The caller has checked that FA4 runs here (`fa4_unavailable_reason`) and serves these routes at
+    this head_dim (`fa4_route_issue`); neither is asked again."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
-    tiles = fa4_tiles(block_mask, query.shape[-1])
+    tiles = _tiles(block_mask, fa4_key_tile(query.shape[-1]))
     forward = BlockSparseTensorsTorch(*tiles.forward, block_size=tiles.block_size)
     backward = BlockSparseTensorsTorch(*tiles.backward, block_size=tiles.block_size)
     result = _flash_attn_func()(

@@ -197,8 +197,43 @@ def _gather_bwd_kernel(
             )
 
 
-def _blocks(group: int, head_dim: int) -> tuple[int, int]:
+def group_blocks(group: int, head_dim: int) -> tuple[int, int]:
+    """BLOCK_G and BLOCK_D of a launch whose programs hold one query's `group` heads (the rows of
+    every dot: at least 16, as `tl.dot` needs)."""
     return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_flags(query: torch.Tensor) -> dict:
+    """The `fp32_dot` constexprs of a launch over `query`: IEEE FP32 dots for FP32 inputs; 16-bit
+    inputs upcast under the interpreter (see `triton_dot`)."""
+    return {
+        "IEEE": query.dtype == torch.float32,
+        "UPCAST": triton_interpret() and query.dtype != torch.float32,
+    }
+
+
+def backward_buffers(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    ids: int,
+    split: int,
+    passes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bounds, dq, dk, dv) of a gather backward over canonical `routes` of ids in [0, ids): with
+    several passes of `split` ids, the routes' pass bounds (`key_split_bounds`) and an FP32 dq the
+    passes add into; with one, `counts` as a placeholder pointer (the kernels read bounds only when
+    split) and a zeroed dq of the query's dtype; dk and dv zeroed FP32 of the key's shape."""
+    if passes > 1:
+        bounds = key_split_bounds(routes, ids, split)
+        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    else:
+        bounds = counts
+        dq = torch.zeros_like(query)
+    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    dv = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    return bounds, dq, dk, dv
 
 
 # FP32 dK (and as many dV) elements one backward pass accumulates per KV group: 16 MiB for both, which
@@ -266,7 +301,7 @@ def gather_attention_forward(
     if out is None:
         out = torch.empty_like(query)
     lse = torch.empty(batch, query_heads, queries, dtype=torch.float32, device=query.device)
-    block_g, block_d = _blocks(group, head_dim)
+    block_g, block_d = group_blocks(group, head_dim)
     config = _config or default_config(head_dim, backward=False)
     grid = (queries, batch * kv_heads)
     _gather_fwd_kernel[grid](
@@ -281,8 +316,7 @@ def gather_attention_forward(
         queries, kv_heads, key.shape[1], scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"],
-        IEEE=query.dtype == torch.float32,
-        UPCAST=triton_interpret() and query.dtype != torch.float32,
+        **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse
@@ -309,18 +343,11 @@ def gather_attention_backward(
     batch, queries, query_heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = query_heads // kv_heads
-    block_g, block_d = _blocks(group, head_dim)
+    block_g, block_d = group_blocks(group, head_dim)
     config = _config or default_config(head_dim, backward=True)
     split = config.get("KEY_SPLIT", 0)
     passes = triton.cdiv(key.shape[1], split) if split else 1
-    if passes > 1:
-        bounds = key_split_bounds(routes, key.shape[1], split)
-        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    else:
-        bounds = counts  # a placeholder pointer: the kernel reads bounds only with SPLIT
-        dq = torch.zeros_like(query)
-    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
-    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    bounds, dq, dk, dv = backward_buffers(query, key, routes, counts, key.shape[1], split, passes)
     grid = (queries, batch * kv_heads, passes)
     _gather_bwd_kernel[grid](
         query, key, value, out, grad_out, lse, routes, counts, bounds,
@@ -338,8 +365,7 @@ def gather_attention_backward(
         queries, kv_heads, routes.shape[1], passes, key.shape[1], scale, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, ROUTE_PER_GROUP=routes.shape[1] > 1, SPLIT=passes > 1,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"],
-        IEEE=query.dtype == torch.float32,
-        UPCAST=triton_interpret() and query.dtype != torch.float32,
+        **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -8,18 +8,32 @@ BlockMask, whose mask_mod reads the query's packed region bitmap at the key's re
 "auto" (see `auto_backend`). "fa4" is refused: FlashAttention-4's block-sparse path takes tiles
 plus its own causal mask, and region routes need a per-key membership test it does not run.
 
-Flex kernel options are `sparse_gqa.flex_kernel_options`' (bitmap mask_mod): on sm_90 with 16-bit
-inputs and head_dim <= 128 the tiles that fit its shared memory there; torch's defaults otherwise.
+The Flex backend and the boundary checks are `sparse_gqa`'s (`sparse_gqa.flex`,
+`sparse_gqa.checks`); Flex kernel options are `flex_kernel_options`' for the bitmap mask_mod: on
+sm_90 with 16-bit inputs and head_dim <= 128 the tiles that fit its shared memory there; torch's
+defaults otherwise. The GPU generation is read once per call (`backend.device_capability`) and
+handed to the mask build, `auto_backend` and the Flex options.
 """
 
-import functools
-import math
 import numbers
 
 import torch
 
-from sa_kernels.backend import triton_interpret
-from sa_kernels.sparse_gqa import FLEX_TESTED_CAPABILITIES, flex_kernel_options
+from sa_kernels.backend import device_capability
+from sa_kernels.sparse_gqa.checks import (
+    check_fast_backend,
+    check_one_device,
+    check_qkv,
+    check_tensors,
+    softmax_scale_value,
+)
+from sa_kernels.sparse_gqa.flex import (
+    FLEX_TESTED_CAPABILITIES,
+    FLEX_TESTED_DTYPES,
+    compiled_flex,
+    flex_attend,
+    flex_kernel_options,
+)
 
 from .block_mask import (
     FLEX_MIN_OCCUPANCY,
@@ -40,8 +54,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_FLEX_AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class _RegionGather(torch.autograd.Function):
@@ -66,36 +78,9 @@ class _RegionGather(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _flex(attention, query, key, value, block_mask: RegionBlockMask, scale: float):
-    """Flex attention over the region BlockMask in our [batch, tokens, heads, dim] layout."""
-    capability = torch.cuda.get_device_capability(query.device) if query.is_cuda else None
-    options = flex_kernel_options(
-        query.shape[-1], query.dtype, query.device.type, capability, bitmap_mask=True
-    )
-    extra = {} if options is None else {"kernel_options": options}
-    out = attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        block_mask=block_mask.flex,
-        scale=scale,
-        enable_gqa=True,
-        **extra,
-    )
-    return out.transpose(1, 2).contiguous()
-
-
-def _flex_may_serve(device: torch.device, dtype: torch.dtype, capability) -> bool:
-    if capability is None:
-        capability = torch.cuda.get_device_capability(device)
-    return dtype in _FLEX_AUTO_DTYPES and capability in FLEX_TESTED_CAPABILITIES
+def _flex_in_envelope(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Inputs and GPU where `auto` may pick Flex (those it was measured and tested on)."""
+    return dtype in FLEX_TESTED_DTYPES and capability in FLEX_TESTED_CAPABILITIES
 
 
 def auto_backend(
@@ -121,45 +106,34 @@ def auto_backend(
     device = torch.device(device)
     if device.type != "cuda":
         return "reference"
+    if capability is None:
+        capability = device_capability(device)
+    return _cuda_choice(block_mask, head_dim, _flex_in_envelope(dtype, capability))
+
+
+def _cuda_choice(block_mask: RegionBlockMask, head_dim: int, in_envelope: bool) -> str:
+    """`auto_backend` on CUDA, given whether the dtype and GPU lie in Flex's tested envelope."""
     if block_mask.flex is not None and head_dim > MAX_HEAD_DIM:
         return "flex"
     stats = block_mask.statistics
-    if (
-        block_mask.flex is not None
-        and stats is not None
-        and stats.occupancy >= FLEX_MIN_OCCUPANCY
-        and _flex_may_serve(device, dtype, capability)
-    ):
-        return "flex"
-    return "gather"
+    clustered = (
+        block_mask.flex is not None and stats is not None and stats.occupancy >= FLEX_MIN_OCCUPANCY
+    )
+    return "flex" if clustered and in_envelope else "gather"
 
 
 def _validate(fn, query, key, value, region_ids, region_sources, backend):
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
-    tensors = (
-        ("query", query),
-        ("key", key),
-        ("value", value),
-        ("region_ids", region_ids),
-        ("region_sources", region_sources),
+    check_tensors(
+        fn,
+        query=query,
+        key=key,
+        value=value,
+        region_ids=region_ids,
+        region_sources=region_sources,
     )
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
-    for name, t in tensors[:3]:
-        if t.dim() != 4:
-            raise ValueError(
-                f"{fn}: {name} must be 4-D [batch, tokens, heads, head_dim]; got shape "
-                f"{tuple(t.shape)}"
-            )
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"{fn}: query, key and value must share one dtype; got {query.dtype}, {key.dtype}, "
-            f"{value.dtype}"
-        )
-    if not query.dtype.is_floating_point:
-        raise TypeError(f"{fn}: query must be a floating tensor; got {query.dtype}")
+    check_qkv(fn, query, key, value)
     if region_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: region_ids must be int32 or int64; got {region_ids.dtype}")
     if region_sources.dtype != torch.int32:
@@ -196,11 +170,7 @@ def _validate(fn, query, key, value, region_ids, region_sources, backend):
             f"{fn}: region_sources must be [batch={batch}, regions >= 1, region_size >= 1]; got "
             f"{tuple(region_sources.shape)}"
         )
-    devices = {t.device for _, t in tensors}
-    if len(devices) > 1:
-        raise ValueError(
-            f"{fn}: all tensors must be on one device; got {sorted(map(str, devices))}"
-        )
+    check_one_device(fn, (query, key, value, region_ids, region_sources))
 
 
 def _query_start(fn: str, query_start: object, queries: int, kv_length: int) -> int:
@@ -214,21 +184,6 @@ def _query_start(fn: str, query_start: object, queries: int, kv_length: int) -> 
             f"{kv_length} keys); got {query_start}"
         )
     return query_start
-
-
-def _scale(fn: str, softmax_scale: object, head_dim: int) -> float:
-    """None (head_dim ** -0.5), a real number or a one-element tensor (read once) as a finite
-    positive float."""
-    if softmax_scale is None:
-        return head_dim**-0.5
-    real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-    one_element = isinstance(softmax_scale, torch.Tensor) and softmax_scale.numel() == 1
-    if not (real or one_element):
-        raise TypeError(f"{fn}: softmax_scale must be None or a float; got {softmax_scale!r}")
-    scale = float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{fn}: softmax_scale must be finite and > 0; got {scale}")
-    return scale
 
 
 def _check_block_mask(fn, block_mask, region_ids, region_sources, key, heads, query_start):
@@ -321,7 +276,7 @@ def sparse_region_attention(
     batch, queries, heads, head_dim = query.shape
     kv_length = key.shape[1]
     query_start = _query_start(fn, query_start, queries, kv_length)
-    scale = _scale(fn, softmax_scale, head_dim)
+    scale = softmax_scale_value(fn, softmax_scale, head_dim)
     if block_mask is not None:
         _check_block_mask(fn, block_mask, region_ids, region_sources, key, heads, query_start)
     if backend == "fa4":
@@ -330,31 +285,21 @@ def sparse_region_attention(
             "tiles plus its own causal mask; selected regions need a per-key membership test); "
             "use 'gather', 'flex' or 'auto'"
         )
-    on_cuda = query.device.type == "cuda"
-    if backend == "auto" and not on_cuda:
+    if backend == "auto" and query.device.type != "cuda":
         backend = "reference"
     if backend == "reference":
         return sparse_region_attention_reference(
             query, key, value, region_ids, region_sources, query_start, scale
         )
-    if query.dtype not in _FLOATS:
-        raise TypeError(
-            f"{fn}: backend={backend!r} supports bfloat16, float16 and float32; got {query.dtype}"
-        )
-    if backend == "flex" and not on_cuda:
-        raise RuntimeError(f"{fn}: backend='flex' needs CUDA tensors; got {query.device}")
-    if backend == "gather" and not on_cuda and not triton_interpret():
-        raise RuntimeError(
-            f"{fn}: backend='gather' on {query.device} tensors needs TRITON_INTERPRET=1 "
-            "(Triton's interpreter); use CUDA tensors or backend='reference'"
-        )
+    check_fast_backend(fn, backend, query)
+    capability = device_capability(query)  # None on CPU
     region_sources = (
         region_sources if region_sources.stride(-1) == 1 else region_sources.contiguous()
     )
+    in_envelope = backend == "auto" and _flex_in_envelope(query.dtype, capability)
     if block_mask is None:
         if backend == "auto":
-            flex_ok = _flex_may_serve(query.device, query.dtype, None)
-            build_flex = True if head_dim > MAX_HEAD_DIM else (None if flex_ok else False)
+            build_flex = True if head_dim > MAX_HEAD_DIM else (None if in_envelope else False)
         else:
             build_flex = backend == "flex"
         block_mask = build_region_block_mask(
@@ -366,11 +311,12 @@ def sparse_region_attention(
             build_flex=build_flex,
         )
     if backend == "auto":
-        backend = auto_backend(block_mask, query.device, dtype=query.dtype, head_dim=head_dim)
+        backend = _cuda_choice(block_mask, head_dim, in_envelope)
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
-        return _flex(_compiled_flex(), query, key, value, block_mask, scale)
+        options = flex_kernel_options(head_dim, query.dtype, query.device.type, capability)
+        return flex_attend(compiled_flex(), query, key, value, block_mask, scale, options)
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{fn}: backend='gather' takes head_dim <= {MAX_HEAD_DIM}; got {head_dim}")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))

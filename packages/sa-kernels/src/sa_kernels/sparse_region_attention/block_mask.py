@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from sa_kernels.region_bitmap import MAX_TRITON_SLOTS, pack_region_bitmap
-from sa_kernels.sparse_gqa.block_mask import FLEX_MIN_OCCUPANCY, TILE, _blocks_first, _tile_area
+from sa_kernels.sparse_gqa.block_mask import (
+    FLEX_MIN_OCCUPANCY,
+    TILE,
+    _tile_area,
+    tiles_block_mask,
+)
 from sa_kernels.sparse_gqa.routes import canonical_routes
 
 __all__ = [
@@ -217,7 +222,6 @@ def build_region_block_mask(
     full, partial, statistics = region_tiles(routes, region_sources, kv_length, query_start)
     if not (build_flex or statistics.occupancy >= FLEX_MIN_OCCUPANCY):
         return RegionBlockMask(routes, counts, *geometry, statistics=statistics)
-    from torch.nn.attention.flex_attention import BlockMask
 
     bitmap = pack_region_bitmap(
         routes,
@@ -227,23 +231,7 @@ def build_region_block_mask(
     mask_mod = region_mask_mod(
         token_regions(region_sources, kv_length), bitmap, query_heads, query_start
     )
-    kv_num, kv_idx = _blocks_first(partial)
-    full_num, full_idx = _blocks_first(full)
-    groups = routes.shape[1]
-    if groups > 1:
-        hpg = query_heads // groups
-        kv_num, kv_idx, full_num, full_idx = (
-            t.repeat_interleave(hpg, dim=1) for t in (kv_num, kv_idx, full_num, full_idx)
-        )
-    flex = BlockMask.from_kv_blocks(
-        kv_num,
-        kv_idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=TILE,
-        mask_mod=mask_mod,
-        seq_lengths=(routes.shape[2], kv_length),
-    )
+    flex = tiles_block_mask(partial, full, mask_mod, query_heads, (routes.shape[2], kv_length))
     return RegionBlockMask(routes, counts, *geometry, flex=flex, statistics=statistics)
 
 

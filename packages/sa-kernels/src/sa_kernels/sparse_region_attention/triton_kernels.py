@@ -25,11 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import triton_interpret
-from sa_kernels.sparse_gqa.triton_kernels import PASS_ACCUMULATOR_ELEMENTS, key_split_bounds
+from sa_kernels.sparse_gqa.triton_kernels import (
+    LOG2E,
+    PASS_ACCUMULATOR_ELEMENTS,
+    backward_buffers,
+    dot_flags,
+    group_blocks,
+)
 from sa_kernels.triton_dot import fp32_dot
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
@@ -257,16 +261,7 @@ SWEEP_BACKWARD_CONFIGS = [
 def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> tuple[int, int, int, int]:
     """BLOCK_G, BLOCK_D, BLOCK_RS (key rows of one virtual slot) and CHUNKS (virtual slots per region)."""
     block_rs = min(triton.next_power_of_2(region_size), block_w)
-    return (
-        max(16, triton.next_power_of_2(group)),
-        max(16, triton.next_power_of_2(head_dim)),
-        block_rs,
-        triton.cdiv(region_size, block_rs),
-    )
-
-
-def _interpreted_16_bit(query: torch.Tensor) -> bool:
-    return triton_interpret() and query.dtype != torch.float32
+    return (*group_blocks(group, head_dim), block_rs, triton.cdiv(region_size, block_rs))
 
 
 def region_attention_forward(
@@ -308,7 +303,7 @@ def region_attention_forward(
         kv_heads, key.shape[1], regions, query_start, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        IEEE=query.dtype == torch.float32, UPCAST=_interpreted_16_bit(query),
+        **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse
@@ -351,14 +346,7 @@ def region_attention_backward(
     block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
     split = region_split(config, head_dim, region_size)
     passes = triton.cdiv(regions, split) if split else 1
-    if passes > 1:
-        bounds = key_split_bounds(routes, regions, split)
-        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
-    else:
-        bounds = counts  # a placeholder pointer: the kernel reads bounds only with SPLIT
-        dq = torch.zeros_like(query)
-    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
-    dv = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    bounds, dq, dk, dv = backward_buffers(query, key, routes, counts, regions, split, passes)
     grid = (queries, batch * kv_heads, passes)
     _region_bwd_kernel[grid](
         query, key, value, out, grad_out, lse, routes, counts, bounds, region_sources,
@@ -378,7 +366,7 @@ def region_attention_backward(
         GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
         SPLIT=passes > 1,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        IEEE=query.dtype == torch.float32, UPCAST=_interpreted_16_bit(query),
+        **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

@@ -1,0 +1,113 @@
+"""FlexAttention backend: compiled `flex_attention` over a route or region mask's 128×128 BlockMask.
+
+Shared by `sparse_gqa_attention` and `sparse_region_attention` (both masks carry a Flex `BlockMask`
+in `.flex`).
+
+Kernel options: on the H200 with torch 2.11, Inductor's default sm_90 configurations for
+head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) need 256–368 KiB of shared
+memory with a bitmap `mask_mod` (227 KiB available), while head_dim 256 compiles with its 64×64,
+2-stage defaults. `flex_kernel_options` therefore pins, for head_dim <= 128 (16-bit inputs on
+CUDA) and the bitmap mask_mod, the fastest configuration of an H200 sweep that fits: forward
+128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps. Every tile divides the
+128-wide route tiles, as Flex requires (its BlockMask block size must be a multiple of the
+kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults, which is what
+a block-aligned causal Flex mask compiles to.
+"""
+
+import functools
+
+import torch
+
+__all__ = [
+    "FLEX_TESTED_CAPABILITIES",
+    "FLEX_TESTED_DTYPES",
+    "compiled_flex",
+    "flex_attend",
+    "flex_kernel_options",
+]
+
+FLEX_TESTED_CAPABILITIES = ((9, 0),)
+"""GPU generations (compute capability) where `auto` may pick Flex: measured and tested there."""
+FLEX_TESTED_DTYPES = (torch.bfloat16, torch.float16)
+"""Input dtypes where `auto` may pick Flex."""
+
+# Flex tiles for head_dim <= 128 on CUDA (see the module docstring): forward BLOCK_M × BLOCK_N,
+# backward BLOCK_M1 × BLOCK_N1 (dK/dV) and BLOCK_M2 × BLOCK_N2 (dQ); unprefixed keys, which every
+# torch release with FlexAttention reads (forward and backward each take the names they know).
+# The fastest of `bench_sparse_gqa.py --sweep` on the H200 (clustered per-group routes, 32k,
+# Hq 64 / Hkv 4 / D 128, bitmap mask_mod): fwd+bwd 54.6 ms against 77.2 ms for 64×64 tiles with 4
+# warps; 128×128 forward tiles with a mask_mod need 294 912 bytes of shared memory (the limit is
+# 232 448).
+_SMALL_HEAD_FLEX_OPTIONS = {
+    "BLOCK_M": 128,
+    "BLOCK_N": 64,
+    "BLOCK_M1": 64,
+    "BLOCK_N1": 128,
+    "BLOCK_M2": 128,
+    "BLOCK_N2": 64,
+    "num_stages": 2,
+    "num_warps": 8,
+}
+
+
+@functools.cache
+def compiled_flex():
+    """`torch.compile(flex_attention)`, built once per process."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_kernel_options(
+    head_dim: int,
+    dtype: torch.dtype,
+    device_type: str,
+    capability: tuple[int, int] | None = (9, 0),
+    *,
+    bitmap_mask: bool = True,
+) -> dict | None:
+    """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
+
+    With the bitmap mask_mod (`bitmap_mask`; False: the arithmetic causal one, see
+    `RouteBlockMask.statistics.causal_offset`), 16-bit inputs on an sm_90 GPU (`capability` (9, 0))
+    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of
+    shared memory); the causal mask_mod, head_dim > 128, FP32, CPU and other GPU generations keep
+    torch's defaults.
+    """
+    if (
+        not bitmap_mask
+        or device_type != "cuda"
+        or dtype == torch.float32
+        or head_dim > 128
+        or capability != (9, 0)
+    ):
+        return None
+    return dict(_SMALL_HEAD_FLEX_OPTIONS)
+
+
+def flex_attend(
+    attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask,
+    scale: float,
+    kernel_options: dict | None = None,
+) -> torch.Tensor:
+    """`attention` (flex_attention, compiled or not) over `block_mask.flex` in our layout.
+
+    query: [batch, queries, query_heads, head_dim]; key, value: [batch, kv_length, kv_heads,
+    head_dim]; block_mask: a `RouteBlockMask` or `RegionBlockMask` holding its Flex BlockMask.
+    Returns [batch, queries, query_heads, head_dim], contiguous.
+    """
+    extra = {} if kernel_options is None else {"kernel_options": kernel_options}
+    out = attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        block_mask=block_mask.flex,
+        scale=scale,
+        enable_gqa=True,
+        **extra,
+    )
+    return out.transpose(1, 2).contiguous()
