@@ -1,4 +1,5 @@
-"""Helpers for tests of the kernels (used by this package's tests and sa-mla's)."""
+"""Test support, not an API for users: helpers the kernel tests of this package and of sa-mla share
+(they live here, not under a package's tests/, so that both test suites can import them)."""
 
 import os
 import subprocess
