@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
+from .models import MODELS
 from .report import summary_rows, write_plots
-from .train import STAGES, DemoSettings, run
-
-MODELS = ("qsa", "step5")
+from .train import DemoSettings, run
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +30,9 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _Parser(prog="sa-demo", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="qsa", help="qsa (the demo trains QSA models; step5 is refused)"
+        "--model",
+        default=next(iter(MODELS)),
+        help="step5 (a CSA layer routing regions per KV group) or qsa (compressed blocks)",
     )
     parser.add_argument(
         "--seq-len",
@@ -49,10 +50,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model not in MODELS:
         parser.error(f"--model must be one of {', '.join(MODELS)}; got {args.model!r}")
-    if args.model == "step5":
-        parser.error(
-            "--model step5: the demo's task and metrics are written for QSA routes only; use --model qsa"
-        )
     if args.device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda; got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -72,6 +69,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def settings_of(args: argparse.Namespace) -> DemoSettings:
     cuda = args.device == "cuda"
     return DemoSettings(
+        model=args.model,
         seq_len=args.seq_len,
         steps=tuple(args.steps),
         device=args.device,
@@ -114,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     models = metrics.pop("models")
-    routes = metrics["stages"]["sparse"].pop("_routes")
-    for stage in STAGES:
-        metrics["stages"][stage].pop("_routes", None)
+    units = metrics["stages"]["sparse"]["_units"]
+    for record in metrics["stages"].values():
+        record.pop("_units", None)
     metrics["summary"] = summary_rows(metrics, settings)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print_summary(metrics["summary"])
-    written = write_plots(metrics, routes, settings, out)
+    written = write_plots(metrics, units, settings, out)
     if written is None:
         print(
             "plots skipped: matplotlib is not installed (uv run --extra plots sa-demo, or pip install matplotlib)"

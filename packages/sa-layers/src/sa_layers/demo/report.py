@@ -33,8 +33,11 @@ def summary_rows(metrics: dict, settings: DemoSettings) -> list[dict]:
     return rows
 
 
-def write_plots(metrics: dict, routes: torch.Tensor | None, settings: DemoSettings, out: Path):
-    """loss.png, recall.png, routes.png in `out`; None when matplotlib is missing."""
+def write_plots(metrics: dict, units: torch.Tensor | None, settings: DemoSettings, out: Path):
+    """loss.png, recall.png, routes.png in `out`; None when matplotlib is missing.
+
+    units: float [batch, units], the sparse model's answer-query selections (`Evaluation.units`).
+    """
     try:
         import matplotlib
 
@@ -72,23 +75,19 @@ def write_plots(metrics: dict, routes: torch.Tensor | None, settings: DemoSettin
     fig.savefig(out / "recall.png", dpi=120)
     written.append(out / "recall.png")
 
-    if routes is not None:
-        c = settings.compress_ratio
-        blocks = settings.seq_len // c
-        rows = min(32, routes.shape[1])
-        grid = torch.zeros(rows, blocks)
-        first = routes[0, :rows].cpu()  # first routed layer, answer queries
-        for i in range(rows):
-            valid = first[i][first[i] >= 0] // c
-            grid[i, valid.clamp(max=blocks - 1)] = 1
+    if units is not None:
+        rows = min(32, units.shape[0])
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest")
-        needles = torch.tensor(metrics["needles"][:rows]) // c
-        ax.scatter(needles, range(rows), marker="x", color="red", s=18, label="needle block")
+        ax.imshow(
+            units[:rows], aspect="auto", cmap="Blues", interpolation="nearest", vmin=0, vmax=1
+        )
+        needles = torch.tensor(metrics["needles"][:rows]) // settings.unit
+        unit_name = settings.demo().unit_name
+        ax.scatter(needles, range(rows), marker="x", color="red", s=18, label=f"needle {unit_name}")
         ax.set(
-            xlabel="compressed block",
+            xlabel=unit_name,
             ylabel="held-out example",
-            title="blocks the answer query routes to",
+            title=f"{unit_name}s the answer query routes to (sparse model)",
         )
         ax.legend(loc="upper left")
         fig.tight_layout()

@@ -34,14 +34,20 @@ class RetrievalTask:
 
     vocab_size = FILLER + KEYS * VALUES + KEYS + VALUES
 
-    def __init__(self, seq_len: int, pairs: int = 1, seed: int = 0, questions: int = 16) -> None:
+    def __init__(
+        self, seq_len: int, pairs: int = 1, seed: int = 0, questions: int = 16, span: int = 1
+    ) -> None:
         if seq_len < 2 * (pairs + questions):
             raise ValueError(
                 f"RetrievalTask: seq_len must be >= {2 * (pairs + questions)}; got {seq_len}"
             )
         if not 1 <= pairs <= KEYS:
             raise ValueError(f"RetrievalTask: pairs must be in [1, {KEYS}]; got {pairs}")
-        self.seq_len, self.pairs, self.questions = seq_len, pairs, questions
+        if span < 1 or (seq_len - questions) // span < pairs:
+            raise ValueError(
+                f"RetrievalTask: span must be >= 1 with pairs spans before the questions; got {span}"
+            )
+        self.seq_len, self.pairs, self.questions, self.span = seq_len, pairs, questions, span
         self.generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
@@ -62,9 +68,11 @@ class RetrievalTask:
         ids = torch.randint(0, FILLER, (batch, s), generator=g)
         keys = torch.rand(batch, KEYS, generator=g).argsort(dim=1)[:, :n]
         values = torch.randint(0, VALUES, (batch, n), generator=g)
-        # fact positions: distinct, anywhere before the question
-        positions = torch.rand(batch, s - asks, generator=g).argsort(dim=1)[:, :n]
-        ids.scatter_(1, positions, self.fact(keys, values))
+        # fact spans: distinct, aligned to `span`, anywhere before the question
+        slots = torch.rand(batch, (s - asks) // self.span, generator=g).argsort(dim=1)[:, :n]
+        positions = slots * self.span
+        for offset in range(self.span):
+            ids.scatter_(1, positions + offset, self.fact(keys, values))
         asked = torch.randint(0, n, (batch,), generator=g)
         rows = torch.arange(batch)
         ids[:, -asks:] = self.ask(keys[rows, asked])[:, None]

@@ -3,11 +3,14 @@
 1. **dense**: a model whose layers attend densely learns the task (LM loss on the answers), its
    first three quarters of steps on sequences of `seq_len // 4` tokens (retrieval learned there
    carries over to the full length, and short sequences train several times faster).
-2. **warmup**: `QSAModel.sparsify` gives it fresh indexers; `set_indexer_training("dense_warmup")`
-   trains only them, by distillation from the dense attention.
+2. **warmup**: `sparsify` gives it fresh indexers; `set_indexer_training("dense_warmup")` trains
+   only them, by distillation from the dense attention (`CausalLMOutput.indexer_loss`).
 3. **sparse**: `set_indexer_training("sparse")`: attention over the routes, LM loss for the model,
-   distillation loss for the indexers.
-Evaluation runs the routed model with its indexers frozen ("off") on a fixed held-out batch.
+   distillation loss (over the selected units) for the indexers.
+
+Evaluation runs the routed model with its indexers frozen ("off") on a fixed held-out batch; the
+sparsified model is also evaluated before the warm-up (its random indexer: recall near chance,
+`budget / seq_len`).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from ..qsa import QSAConfig, QSAModel
+from .models import MODELS, AnswerRoutes, Geometry
 from .task import RetrievalBatch, RetrievalTask
 
 STAGES = ("dense", "warmup", "sparse")
@@ -26,8 +30,10 @@ STAGES = ("dense", "warmup", "sparse")
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """What the demo trains. Steps are per stage; `budget` is the indexer's token budget."""
+    """What the demo trains. Steps are per stage; `budget` is the tokens the indexer routes each
+    query (group) to, in units of `unit` tokens (QSA compress ratio, Step-5 region size)."""
 
+    model: str = "step5"
     seq_len: int = 512
     steps: tuple[int, int, int] = (240, 60, 40)
     pairs: int = 1
@@ -37,41 +43,26 @@ class DemoSettings:
     hidden: int = 64
     layers: int = 1
     budget: int = 64
-    compress_ratio: int = 4
+    unit: int = 4
     lr: float = 3e-3
+    warmup_lr: float = 3e-3
     device: str = "cpu"
     seed: int = 0
 
-    def config(self, layer_type: str) -> QSAConfig:
-        return QSAConfig(
-            vocab_size=RetrievalTask.vocab_size,
-            hidden_size=self.hidden,
-            intermediate_size=2 * self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=self.hidden // 4,
-            partial_rotary_factor=0.5,
-            indexer_n_heads=2,
-            indexer_head_dim=self.hidden // 4,
-            indexer_budget=self.budget,
-            indexer_compress_ratio=self.compress_ratio,
-            attn_backend="auto",
-            initializer_range=0.05,
-            layer_types=(layer_type,) * self.layers,
-        )
+    def demo(self):
+        """The `models.QSADemo` / `models.Step5Demo` of `model`."""
+        return MODELS[self.model](Geometry(self.hidden, self.layers, self.unit, self.budget))
 
 
 @dataclass
 class Evaluation:
-    """Answer accuracy; routing recall (the needle among the answer query's routed keys, mean over
-    routed layers); attended key fraction (routed pairs / causal pairs); the answer queries' routes
-    [layers, batch, W] of the first routed layer's batch, for the heatmap."""
+    """Answer accuracy; routing recall (`models.AnswerRoutes.recall`); attended key fraction (routed
+    pairs / causal pairs); the answer queries' selected units [batch, units], for the heatmap."""
 
     accuracy: float
     recall: float | None = None
     key_fraction: float = 1.0
-    routes: torch.Tensor | None = None
+    units: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,12 +74,12 @@ class History:
 
 
 @torch.no_grad()
-def evaluate(model: QSAModel, batch: RetrievalBatch) -> Evaluation:
+def evaluate(model: nn.Module, batch: RetrievalBatch, demo) -> Evaluation:
     """Accuracy, recall and key fraction of `model` on `batch` with routing frozen."""
     modes = [layer.self_attn.indexer_training for layer in model.layers]
-    routes: list[torch.Tensor] = []
+    outputs: list = []
     hooks = [
-        ix.register_forward_hook(lambda _m, _i, out: routes.append(out)) for ix in model.indexers()
+        ix.register_forward_hook(lambda _m, _i, out: outputs.append(out)) for ix in model.indexers()
     ]
     for layer in model.layers:
         layer.self_attn.indexer_training = "off"
@@ -100,14 +91,10 @@ def evaluate(model: QSAModel, batch: RetrievalBatch) -> Evaluation:
         for hook in hooks:
             hook.remove()
     accuracy = (logits.argmax(-1) == batch.answers).float().mean().item()
-    if not routes:
+    if not outputs:
         return Evaluation(accuracy)
-    last = torch.stack([r[:, -1] for r in routes])  # [layers, batch, W]
-    recall = (last == batch.needles[None, :, None]).any(-1).float().mean().item()
-    length = batch.input_ids.shape[1]
-    routed = sum((r >= 0).sum().item() for r in routes) / len(routes)
-    causal = batch.input_ids.shape[0] * length * (length + 1) / 2
-    return Evaluation(accuracy, recall, routed / causal, last)
+    routes: AnswerRoutes = demo.answer_routes(outputs, batch.needles, batch.input_ids.shape[1])
+    return Evaluation(accuracy, routes.recall, routes.key_fraction, routes.units)
 
 
 def attention_flops(settings: DemoSettings, key_fraction: float) -> float:
@@ -120,12 +107,14 @@ def run(
     settings: DemoSettings,
     on_step: Callable[[str, dict], None] | None = None,
 ) -> dict:
-    """Train the three stages; returns the metrics (JSON-ready) plus the models under "models".
+    """Train the three stages; returns the metrics (JSON-ready) plus the models under "models" and
+    each stage's final `Evaluation.units` under `stages[stage]["_units"]`.
 
     `on_step(stage, record)` is called after every training step (the CLI's progress bar).
     """
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
+    demo = settings.demo()
     short = RetrievalTask(max(settings.seq_len // 4, 64), settings.pairs, settings.seed)
     task = RetrievalTask(settings.seq_len, settings.pairs, seed=settings.seed)
     held_out = RetrievalTask(settings.seq_len, settings.pairs, settings.seed + 1).sample(
@@ -134,18 +123,18 @@ def run(
     held_out = RetrievalBatch(*(t.to(device) for t in vars(held_out).values()))
     history = History()
 
-    dense = QSAModel(settings.config("dense")).to(device)
+    dense = demo.dense().to(device)
     stages: dict[str, dict] = {}
     model = dense
     for stage, steps in zip(STAGES, settings.steps, strict=True):
         if stage == "warmup":
-            model = QSAModel.sparsify(dense)
-            stages["random_indexer"] = vars(evaluate(model, held_out)) | {"routes": None}
+            model = demo.sparsify(dense)
+            stages["random_indexer"] = _record(evaluate(model, held_out, demo))
             model.set_indexer_training("dense_warmup")
         elif stage == "sparse":
             model.set_indexer_training("sparse")
         params = [p for p in model.parameters() if p.requires_grad]
-        lr = settings.lr if stage != "sparse" else settings.lr / 3
+        lr = {"dense": settings.lr, "warmup": settings.warmup_lr, "sparse": settings.lr / 3}[stage]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         tokens, elapsed = 0, 0.0
         for step in range(steps):
@@ -170,15 +159,14 @@ def run(
                 "indexer_loss": None if out.indexer_loss is None else out.indexer_loss.item(),
             }
             if (step + 1) % settings.eval_every == 0 or step + 1 == steps:
-                ev = evaluate(model, held_out)
+                ev = evaluate(model, held_out, demo)
                 record |= {"accuracy": ev.accuracy, "recall": ev.recall}
                 history.evals.append(record)
             history.steps.append(record)
             if on_step is not None:
                 on_step(stage, record)
-        final = evaluate(model, held_out)
-        stages[stage] = vars(final) | {"routes": None, "tokens_per_s": tokens / max(elapsed, 1e-9)}
-        stages[stage]["_routes"] = final.routes
+        stages[stage] = _record(evaluate(model, held_out, demo))
+        stages[stage]["tokens_per_s"] = tokens / max(elapsed, 1e-9)
     return {
         "settings": vars(settings) | {"steps": list(settings.steps)},
         "stages": stages,
@@ -186,3 +174,10 @@ def run(
         "needles": held_out.needles.tolist(),
         "models": {"dense": dense, "sparse": model},
     }
+
+
+def _record(evaluation: Evaluation) -> dict:
+    """The JSON part of an evaluation; the unit map under "_units" (popped before writing)."""
+    record = vars(evaluation).copy()
+    record["_units"] = record.pop("units")
+    return record
