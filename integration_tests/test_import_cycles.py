@@ -16,13 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE_ROOTS = sorted(
     path.parent for path in (ROOT / "packages").glob("*/src/*/__init__.py") if path.is_file()
 )
-# Cycles still open in issue 34, listed exactly as found: a new cycle fails the test, and so does the
-# removal of one of these, until its entry goes too.
-KNOWN_CYCLES = {
-    "sa_kernels": [
-        ["sa_kernels.stable_topk", "sa_kernels.stable_topk.gluon_kernels", "sa_kernels.stable_topk"]
-    ],
-}
 
 
 def module_files(package_dir: Path) -> dict[str, Path]:
@@ -147,10 +140,8 @@ def _cycle_within(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 @pytest.mark.parametrize("package_dir", SOURCE_ROOTS, ids=[p.name for p in SOURCE_ROOTS])
 def test_package_has_no_import_cycle(package_dir):
     cycles = import_cycles(import_graph(package_dir))
-    known = KNOWN_CYCLES.get(package_dir.name, [])
-    show = lambda found: "\n".join(" -> ".join(c) for c in found) or "none"
-    assert cycles == known, (
-        f"import cycles in {package_dir.name}:\n{show(cycles)}\nKNOWN_CYCLES lists:\n{show(known)}"
+    assert cycles == [], f"import cycles in {package_dir.name}:\n" + "\n".join(
+        " -> ".join(cycle) for cycle in cycles
     )
 
 

@@ -11,16 +11,14 @@ from sa_kernels.backend import (
     triton_interpret,
 )
 
+from .limits import TRITON_MAX_ROW
+
 __all__ = [
     "TRITON_MAX_ROW",
     "gluon_kernel_applies",
     "stable_topk",
     "stable_topk_workspace_bytes",
 ]
-
-TRITON_MAX_ROW = 32768
-"""Longest row the Triton path takes (the lengths it was run and timed at on the GPU); longer rows take
-the PyTorch path."""
 
 _TIE_BASE = 2**30
 """Tie keys are `_TIE_BASE - position`: distinct, positive and below `_INT32_MAX` for every position."""
@@ -44,8 +42,8 @@ def stable_topk_workspace_bytes(n: int, dtype: torch.dtype, device: torch.device
     entries of `dtype` on `device`: 0 on the Triton kernel path (it reads the scores in place), else
     the PyTorch path's int32 keys, mask and top-k scratch. For callers that size chunks of scores.
     Per row (not per entry) the result takes k positions, and with `out=` the kernels' 2k int32
-    slots. With `lengths`, every path but the Gluon kernels' also takes a masked copy of the
-    scores (a score and a mask byte more per entry), which this does not count."""
+    slots. With `lengths` and not `masked_tail`, every path but the Gluon kernels' also takes a
+    masked copy of the scores (a score and a mask byte more per entry), which this does not count."""
     resolved = "triton" if torch.device(device).type == "cuda" and has_triton() else "reference"
     return 0 if _runs_kernel(resolved, dtype, n) else _TORCH_PATH_BYTES_PER_ENTRY
 
@@ -56,6 +54,7 @@ def stable_topk(
     dim: int = -1,
     *,
     lengths: torch.Tensor | None = None,
+    masked_tail: bool = False,
     out: torch.Tensor | None = None,
     offset: int = 0,
     backend: str = "auto",
@@ -88,9 +87,13 @@ def stable_topk(
         lengths: optional int32/int64 row lengths, `scores`' shape without `dim`, any strides (an
             expanded view too): a row's entries at or past its length count as -inf, whatever they
             hold (a negative length counts as 0, one past n as n; below k, the lowest positions
-            past it fill the row's k). The Gluon kernels do not load those entries (a row whose
-            tail is -inf anyway is read only up to its length); the other paths take a masked copy
-            of the scores.
+            past it fill the row's k). The Gluon kernels do not load those entries; the other
+            paths take a masked copy of the scores, unless `masked_tail`.
+        masked_tail: the caller's promise that every row's entries at or past its length already
+            hold -inf. `lengths` then only lets the Gluon kernels skip loading them, the other paths
+            ignore it (no copy), and every path returns what the call without `lengths` returns, so
+            a caller may always pass `lengths` (where a row breaks the promise, its result is either
+            of the two calls'). No effect without `lengths`.
         out: int32 or int64 [..., k] (`scores`' shape with `k` along the last dim, which `dim` must
             be), last-dim stride 1, no two elements in the same memory, its other dims viewable as
             at most two with any strides, not overlapping `scores`; written in place (e.g. the first
@@ -103,7 +106,8 @@ def stable_topk(
         `out`, or a new int64 [..., k, ...] (`scores`' shape with `k` along `dim`): the chosen
         positions along `dim` plus `offset`, in ascending order.
     Raises:
-        TypeError: scores is not a floating-point tensor; k or dim is not an int.
+        TypeError: scores is not a floating-point tensor; k or dim is not an int; masked_tail is
+            not a bool.
         ValueError: dim out of range, `k` outside `[0, n]`, `n >= 2**30`; backend="triton" with a
             float64 tensor or rows longer than 32768; `out` of another shape, dtype or device, with
             a last-dim stride other than 1, overlapping elements or more than two other dims that
@@ -118,6 +122,8 @@ def stable_topk(
     for name, value in (("k", k), ("dim", dim)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{fn}: {name} must be an int; got {type(value).__name__}")
+    if not isinstance(masked_tail, bool):
+        raise TypeError(f"{fn}: masked_tail must be a bool; got {type(masked_tail).__name__}")
     if scores.dim() == 0 or not -scores.dim() <= dim < scores.dim():
         raise ValueError(
             f"{fn}: dim must lie in [-{scores.dim()}, {scores.dim()}) for scores of shape "
@@ -177,11 +183,11 @@ def stable_topk(
             else:
                 from .triton_kernels import stable_topk_rows
 
-                if lengths is not None:
+                if lengths is not None and not masked_tail:
                     rows = _masked_past(rows, lengths.reshape(-1))
                 chosen = stable_topk_rows(rows, k, out=out, addressing=addressing, offset=offset)
             return out if out is not None else chosen.view(*last.shape[:-1], k).movedim(-1, dim)
-        if lengths is not None:
+        if lengths is not None and not masked_tail:
             last = _masked_past(last, lengths)
         chosen = _threshold_topk(last, k)
         if out is not None:

@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 from sa_kernels.backend import sm_count
 from sa_kernels.gluon_compat import cta_barrier
-from sa_kernels.stable_topk import TRITON_MAX_ROW
+from sa_kernels.stable_topk.limits import TRITON_MAX_ROW
 from sa_kernels.stable_topk.triton_kernels import output_rows
 
 MAXIMA = 1024
