@@ -429,6 +429,37 @@ def test_lengths_make_each_row_minus_inf_past_its_length(n, k, backend):
     assert torch.equal(out[..., :k], (expected + 10).int()) and bool((out[..., k] == -7).all())
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "backend"),
+    [(40, 5, "triton"), (300, 300, "triton"), (40, 5, "reference"), (5000, 7, "reference")],
+    ids=["short-triton", "k=n-triton", "short-reference", "long-reference"],
+)
+def test_masked_tail_lengths_give_the_call_without_lengths(n, k, backend):
+    """Rows whose entries at or past their length are -inf already: with `masked_tail`, `lengths`
+    changes nothing, ties included (-inf and signed zeros before the length, tails that tie with
+    them, lengths of 0, below k, negative and past n, whose k is filled from the tail)."""
+    scores = _tied_scores((3, 4, n), torch.float32, seed=n + k + 1)
+    generator = torch.Generator().manual_seed(n)
+    lengths = torch.randint(0, n + 1, (3, 4), generator=generator)
+    cases = [0, max(k - 1, 0), k, n // 2, n, n + 5, -3]
+    lengths.view(-1)[: len(cases)] = torch.tensor(cases)
+    tailed = scores.masked_fill(torch.arange(n) >= lengths.unsqueeze(-1), float("-inf"))
+    expected = stable_topk(tailed, k, backend=backend)
+    assert torch.equal(expected, reference.stable_topk(tailed, k))
+    for given in (lengths, lengths.int(), lengths[:1].expand(3, 4)):
+        rows = tailed if given.stride(0) else tailed[:1].expand(3, 4, n)
+        want = expected if given.stride(0) else expected[:1].expand(3, 4, k)
+        got = stable_topk(rows, k, lengths=given, masked_tail=True, backend=backend)
+        assert torch.equal(got, want)
+    out = torch.full((3, 4, k + 1), -7, dtype=torch.int32)
+    stable_topk(
+        tailed, k, lengths=lengths, masked_tail=True, out=out[..., :k], offset=10, backend=backend
+    )
+    assert torch.equal(out[..., :k], (expected + 10).int()) and bool((out[..., k] == -7).all())
+    with pytest.raises(TypeError, match="masked_tail must be a bool"):
+        stable_topk(tailed, k, lengths=lengths, masked_tail=1, backend=backend)
+
+
 def test_lengths_are_checked_and_named():
     scores = torch.randn(2, 3, 50)
     with pytest.raises(ValueError, match=r"lengths must be int32 or int64 of shape \(2, 3\)"):
@@ -465,6 +496,14 @@ def test_cuda_lengths_on_every_kernel(n, k):
             out = torch.empty(4, 12, k + 1, dtype=torch.int32, device="cuda")
             stable_topk(shared, k, lengths=per_query, out=out[..., :k], offset=3)
             assert torch.equal(out[..., :k].long(), expected[:1].expand(4, 12, k) + 3), name
+            # tails that are -inf already: `masked_tail` gives the call without lengths
+            past = torch.arange(n, device="cuda") >= lengths.unsqueeze(-1)
+            tailed = noisy.masked_fill(past, float("-inf"))
+            plain = stable_topk(tailed, k)
+            assert torch.equal(plain, expected), name
+            assert torch.equal(stable_topk(tailed, k, lengths=lengths, masked_tail=True), plain), (
+                name
+            )
 
 
 @pytest.mark.gpu

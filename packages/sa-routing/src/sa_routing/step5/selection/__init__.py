@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from sa_kernels import indexer_score_tile, stable_topk
-from sa_kernels.stable_topk import gluon_kernel_applies, stable_topk_workspace_bytes
+from sa_kernels.stable_topk import stable_topk_workspace_bytes
 
 from ..layouts import RegionMetadata, ScoreTile
 from ..tile_rows import write_tile_rows
@@ -341,15 +341,13 @@ def _tile_topk(
         one_chunk = method == "threshold" and best_scores is None and c1 == r1
         if one_chunk and out is not None and scores.shape[-1] > topk:
             # its positions + c0 are the ids, ascending: straight into the selection's rows. Past
-            # each query's `past` bound the kernel wrote -inf: where the top-k's Gluon kernels run
-            # (they do not load what `lengths` cuts off, the other paths would copy the scores to
-            # mask it), the rows end there: the top-k took 2-3 % less time on the H200 at 64k and
-            # 128k tokens, whose calls' rectangles hold 9 % and 4.5 % more entries than the rows
-            lengths = None
-            if bounds is not None and gluon_kernel_applies(scores, topk):
-                lengths = bounds[1].expand(scores.shape[0], -1)
+            # each query's `past` bound the kernel wrote -inf, so the rows end there (`masked_tail`:
+            # the top-k's Gluon kernels do not load the tail, the other paths ignore `lengths`):
+            # the top-k took 2-3 % less time on the H200 at 64k and 128k tokens, whose calls'
+            # rectangles hold 9 % and 4.5 % more entries than the rows
+            lengths = None if bounds is None else bounds[1].expand(scores.shape[0], -1)
             mark("score")
-            stable_topk(scores, topk, lengths=lengths, out=out, offset=c0)
+            stable_topk(scores, topk, lengths=lengths, masked_tail=True, out=out, offset=c0)
             mark("topk")
             return None, 0
         region = torch.arange(c0, c1, device=scores.device)
