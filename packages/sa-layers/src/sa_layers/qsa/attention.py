@@ -11,7 +11,7 @@ from sa_routing import QSAIndexer, apply_qsa_rope, qsa_indexer_distillation_loss
 from ..norm import ZeroCenteredRMSNorm
 from ..routes import INDEXER_TRAINING, TokenRoutes, token_routes
 from .config import QSAConfig
-from .layout import QSABatch
+from .layout import QSABatch, dense_visibility
 
 
 class QSAAttention(nn.Module):
@@ -85,14 +85,33 @@ class QSAAttention(nn.Module):
         if self.indexer is None or mode == "dense_warmup":
             out = dense_causal_attention(query, key, value, batch)
         else:
-            routes = self.select_routes(hidden, batch, key.shape[1])
-            ids, mask = routes.token_ids, routes.block_mask
-            out = sparse_gqa_attention(
-                query, key, value, ids, block_mask=mask, backend=self.backend
-            )
+            out, routes = self.routed_attention(hidden, query, key, value, batch)
         aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
         return self.o_proj((torch.sigmoid(gate) * out).flatten(-2)), aux
 
+    @torch.compiler.disable
+    def routed_attention(
+        self,
+        hidden: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch: QSABatch,
+    ) -> tuple[torch.Tensor, TokenRoutes]:
+        """Route selection (`select_routes`) and `sparse_gqa_attention` over the routes → (out
+        [batch, local_length, heads, head_dim], the routes).
+
+        Runs outside torch.compile's graph (one graph break per routed layer): the indexer's top-k,
+        the replay channel, the mask build's host reads and the backend's dispatch (Triton launches,
+        compiled Flex, FA4's CuTe kernels) are host logic that Dynamo cannot or should not trace.
+        """
+        routes = self.select_routes(hidden, batch, key.shape[1])
+        out = sparse_gqa_attention(
+            query, key, value, routes.token_ids, block_mask=routes.block_mask, backend=self.backend
+        )
+        return out, routes
+
+    @torch.compiler.disable  # the distillation loss's dispatch runs eagerly, like route selection
     def indexer_loss(
         self,
         hidden: torch.Tensor,
@@ -142,6 +161,9 @@ def dense_causal_attention(
 ) -> torch.Tensor:
     """Causal GQA attention within each document; padding queries give 0.
 
+    A plain causal batch (`batch.plain_causal`) runs SDPA's causal path (no mask); any other reads
+    `batch.dense_mask`, built once per model call (or builds it here for a batch laid out without).
+
     Args:
         query: [batch, local_length, heads, head_dim]; key, value: [batch, global_length, kv_heads,
             head_dim] (all-gathered under context parallelism).
@@ -152,17 +174,9 @@ def dense_causal_attention(
     if batch.plain_causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
-    start = batch.cp.local_start
-    rows = query.shape[1]
-    keys = batch.key_documents
-    queries = batch.query_documents
-    causal = (
-        torch.arange(keys.shape[1], device=query.device)
-        <= (torch.arange(start, start + rows, device=query.device)[:, None])
-    )
-    visible = (queries[:, :, None] == keys[:, None, :]) & (queries[:, :, None] >= 0) & causal
-    # a padding query sees its own key so that the softmax is defined; its output is zeroed below
-    own = torch.arange(start, start + rows, device=query.device)
-    visible[:, torch.arange(rows), own] |= queries < 0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
-    return out.transpose(1, 2) * (queries >= 0)[:, :, None, None].to(out.dtype)
+    visible = batch.dense_mask
+    if visible is None:
+        visible = dense_visibility(batch.key_documents, batch.cp.local_start, query.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    valid = (batch.query_documents >= 0)[:, :, None, None]
+    return out.transpose(1, 2) * valid.to(out.dtype)

@@ -27,12 +27,17 @@ class QSABatch:
         key_documents: int64 [batch, global_length]: document of every key token, −1 for padding.
         plain_causal: True when there is no padding, no packing and one rank (dense layers then run
             plain causal SDPA).
+        dense_mask: bool [batch, 1, local_length, global_length], what a dense layer's query sees
+            (`dense_visibility`), built once per call for every dense layer and the dense warm-up;
+            None when `plain_causal` (SDPA's causal path needs no mask) or when the model has no
+            dense attention (`QSABatch.create(dense_mask=False)`).
     """
 
     cp: QSAContextParallel
     freqs: torch.Tensor
     key_documents: torch.Tensor
     plain_causal: bool
+    dense_mask: torch.Tensor | None = None
 
     batch_size = property(lambda self: self.key_documents.shape[0])
     local_length = property(lambda self: self.cp.local_length)
@@ -54,6 +59,7 @@ class QSABatch:
         return sum(max(0, n - dense_positions) for n in lengths)
 
     @classmethod
+    @torch.compiler.disable  # host validation and layout, once per call: eager under torch.compile
     def create(
         cls,
         input_ids: torch.Tensor,
@@ -64,6 +70,7 @@ class QSABatch:
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | tuple[int, ...] | None = None,
         cp_context: QSAContextParallel | None = None,
+        dense_mask: bool = True,
     ) -> QSABatch:
         """Validate a batch at the model boundary and lay it out (at most one host sync).
 
@@ -74,6 +81,8 @@ class QSABatch:
                 length; not with attention_mask or cp_context.
             cp_context: the shard (`QSAContextParallel.create(local_length, group=..., attention_mask=
                 global_mask or cu_seqlens=global_bounds)`).
+            dense_mask: build `dense_mask` (unless the batch is plain causal); False when no layer
+                attends densely.
         Raises:
             TypeError: input_ids is not an integer tensor; cp_context is not a QSAContextParallel.
             ValueError: shapes, a mask that is not right-padded binary, cu_seqlens that do not increase
@@ -171,4 +180,29 @@ class QSABatch:
             and cp_context.cu_seqlens is None
             and (cp_context.sequence_lengths is None or min(cp_context.sequence_lengths) == rows)
         )
-        return cls(cp_context, freqs, documents.expand(batch, total), plain)
+        key_documents = documents.expand(batch, total)
+        mask = None
+        if dense_mask and not plain:
+            mask = dense_visibility(key_documents, cp_context.local_start, rows)
+        return cls(cp_context, freqs, key_documents, plain, mask)
+
+
+def dense_visibility(key_documents: torch.Tensor, query_start: int, rows: int) -> torch.Tensor:
+    """What each query of a dense (causal, in-document) layer sees.
+
+    Args:
+        key_documents: int64 [batch, global_length], document of every key, −1 for padding.
+        query_start: global position of the first local query; rows: local queries.
+    Returns:
+        bool [batch, 1, rows, global_length]: key k is visible to query q iff both lie in one
+        document and k <= q. A padding query sees only its own key, so that its softmax is defined
+        (its output is zeroed).
+    """
+    device = key_documents.device
+    own = torch.arange(query_start, query_start + rows, device=device)
+    queries = key_documents[:, query_start : query_start + rows]
+    causal = torch.arange(key_documents.shape[1], device=device) <= own[:, None]
+    visible = (queries[:, :, None] == key_documents[:, None, :]) & (queries >= 0)[:, :, None]
+    visible &= causal
+    visible[:, torch.arange(rows, device=device), own] |= queries < 0
+    return visible[:, None]

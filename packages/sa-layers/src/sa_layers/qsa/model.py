@@ -121,6 +121,14 @@ class QSAModel(RoutedModel, nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
 
+    def attends_densely(self) -> bool:
+        """Whether a layer attends densely in this stage: a "dense" layer, or a routed one in the
+        dense warm-up (then `QSABatch.create` builds the dense mask once per call)."""
+        return any(
+            layer.self_attn.indexer is None or layer.self_attn.indexer_training == "dense_warmup"
+            for layer in self.layers
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -158,6 +166,7 @@ class QSAModel(RoutedModel, nn.Module):
             attention_mask=attention_mask,
             cu_seqlens=cu_seqlens,
             cp_context=cp_context,
+            dense_mask=self.attends_densely(),
         )
         if labels is not None and (
             not isinstance(labels, torch.Tensor)

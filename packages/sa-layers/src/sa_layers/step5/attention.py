@@ -229,8 +229,7 @@ class Step5Attention(nn.Module):
             if self.layer_type == "dense" or mode == "dense_warmup":
                 out = self.causal_attention(query, key, value, batch)
             else:
-                routes = self.select_routes(hidden, batch, key.shape[1])
-                out = self.sparse_attention(query, key, value, routes, batch)
+                out, routes = self.routed_attention(hidden, query, key, value, batch)
         aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
         gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)  # [B, L, heads, 1]
         return self.o_proj((out * gate).flatten(-2)), aux
@@ -299,6 +298,20 @@ class Step5Attention(nn.Module):
             scale=self.scale,
         )
 
+    @torch.compiler.disable
+    def routed_attention(
+        self, hidden, query, key, value, batch: Step5Batch
+    ) -> tuple[torch.Tensor, RegionRoutes]:
+        """Region selection (`select_routes`) and `sparse_attention` over it → (out [B, L, heads,
+        D], the routes).
+
+        Runs outside torch.compile's graph (one graph break per CSA layer): the indexer's top-k,
+        the replay channel, the block-mask build and the backend's dispatch (Triton launches,
+        compiled Flex) are host logic that Dynamo cannot or should not trace.
+        """
+        routes = self.select_routes(hidden, batch, key.shape[1])
+        return self.sparse_attention(query, key, value, routes, batch), routes
+
     def sparse_attention(
         self, query, key, value, routes: RegionRoutes, batch: Step5Batch
     ) -> torch.Tensor:
@@ -316,6 +329,7 @@ class Step5Attention(nn.Module):
             block_mask=routes.block_mask,
         )
 
+    @torch.compiler.disable  # the distillation loss's dispatch runs eagerly, like route selection
     def indexer_loss(
         self,
         hidden: torch.Tensor,
@@ -485,8 +499,13 @@ def _compiled_flex():
 
 def _flex(query, key, value, block_mask, scale: float) -> torch.Tensor:
     """Compiled FlexAttention over a block mask of the batch, in our [B, tokens, heads, D] layout
-    (rows with no visible key give 0)."""
-    out = _compiled_flex()(
+    (rows with no visible key give 0). Inside a torch.compile'd model the plain `flex_attention`
+    is traced into the model's graph (Inductor compiles it) instead of nesting a compile."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention as attention
+    else:
+        attention = _compiled_flex()
+    out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),

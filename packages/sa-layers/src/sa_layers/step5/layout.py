@@ -83,6 +83,7 @@ class Step5Batch:
         return self.documents[:, start : start + self.local_length]
 
     @classmethod
+    @torch.compiler.disable  # host validation and metadata, once per call: eager under torch.compile
     def create(
         cls,
         config: Step5Config,
