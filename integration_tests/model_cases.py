@@ -1,13 +1,14 @@
-"""Tiny Step-5 and QSA models and their batches, shared by the model integration tests.
+"""Tiny Step-5 and QSA models and their batches, shared by the model integration tests (the
+models are `sa_layers.testing`'s, which the sa-layers tests build too).
 
 Both models go through one interface so that every test runs on either: `build(kind)`, a batch of
 rows (`batch(kind)`), `run(kind, model, batch, rows=..., shard=...)` for the whole sequence or one
 contiguous context-parallel shard, and `route_log(model)` for the routes the indexers chose.
 
-Step-5: layers SWA, SWA, SWA, CSA (region 4, top-2, window 8: queries from document position 12 on
-are sparse). QSA: two QSA layers (budget 8, compress ratio 2: positions from 9 on are sparse).
-Sequences of 48 tokens split into 2 shards of 24, a multiple of both the region size and the
-compress ratio.
+Step-5: layers SWA, SWA, SWA, CSA (4 query heads in 2 groups, region 4, top-2, window 8: queries
+from document position 12 on are sparse). QSA: two QSA layers (budget 8, compress ratio 2:
+positions from 9 on are sparse). Sequences of 48 tokens split into 2 shards of 24, a multiple of
+both the region size and the compress ratio.
 """
 
 from dataclasses import dataclass
@@ -15,77 +16,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sa_layers import CausalLMOutput, QSAConfig, QSAModel, Step5Config, Step5Model
-from sa_routing import QSAContextParallel, Step5SparseConfig
+from sa_layers import CausalLMOutput, testing
+from sa_routing import QSAContextParallel
 
 KINDS = ("step5", "qsa")
 SEQUENCE = 48
-VOCAB = 50
+VOCAB = testing.VOCAB
+# the Step-5 model with 4 query heads (2 per KV group): the multi-rank runs stay small
+STEP5_HEADS = {"num_attention_heads": 4}
+qsa_config = testing.tiny_qsa_config
 
 
-def step5_config(**overrides) -> Step5Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_attention_groups=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=("swa", "swa", "swa", "csa"),
-        rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
-        partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
-        swiglu_limits=(0.0, 2.0, 0.0, 1.5),
-        sparse_config=Step5SparseConfig(
-            proxy_dim=16,
-            index_heads=4,
-            num_provider_groups=2,
-            rope_dim=8,
-            region_size=4,
-            topk=2,
-            hidden_size=32,
-        ),
-        attn_backend="reference",
-        initializer_range=0.2,
-    )
-    fields.update(overrides)
-    return Step5Config(**fields)
-
-
-def qsa_config(**overrides) -> QSAConfig:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,
-        indexer_n_heads=2,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=2,
-        attn_backend="reference",
-        initializer_range=0.2,
-    )
-    fields.update(overrides)
-    return QSAConfig(**fields)
+def step5_config(**overrides):
+    return testing.tiny_step5_config(**{**STEP5_HEADS, **overrides})
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
     """The tiny model of `kind` in FP32, its norm scales drawn at random (a wrong norm cannot
     hide behind identity scales)."""
-    torch.manual_seed(seed)
-    model = Step5Model(step5_config()) if kind == "step5" else QSAModel(qsa_config())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "indexer" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-            elif "norm" in name and "indexer" not in name:
-                p.uniform_(-0.5, 0.5)
-    return model
+    if kind == "step5":
+        return testing.tiny_step5_model(seed, **STEP5_HEADS)
+    return testing.tiny_qsa_model(seed)
 
 
 @dataclass(frozen=True)
@@ -110,17 +61,6 @@ class Batch:
         return Batch(*(pick(getattr(self, f)) for f in self.__dataclass_fields__))
 
 
-def _packed(documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and padding of rows of back-to-back documents of the given lengths."""
-    positions = torch.zeros(len(documents), SEQUENCE, dtype=torch.int64)
-    padding = torch.ones(len(documents), SEQUENCE, dtype=torch.bool)
-    for row, lengths in enumerate(documents):
-        pieces = torch.cat([torch.arange(n) for n in lengths])
-        positions[row, : pieces.numel()] = pieces
-        padding[row, : pieces.numel()] = False
-    return positions, padding
-
-
 def batch(kind: str, *, padded: bool = True, seed: int = 1) -> Batch:
     """Two rows of random tokens and labels.
 
@@ -133,7 +73,9 @@ def batch(kind: str, *, padded: bool = True, seed: int = 1) -> Batch:
     ids = torch.randint(0, VOCAB, (2, SEQUENCE), generator=generator)
     labels = torch.randint(0, VOCAB, (2, SEQUENCE), generator=generator)
     if kind == "step5":
-        positions, padding = _packed([[30, 18], [21, 16]] if padded else [[30, 18], [18, 30]])
+        positions, padding = testing.packed_positions(
+            [[30, 18], [21, 16]] if padded else [[30, 18], [18, 30]], SEQUENCE
+        )
         return Batch(ids, labels, positions, padding if padded else None)
     mask = None
     if padded:

@@ -15,42 +15,12 @@ from torch.utils.checkpoint import (
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
-from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
+from sa_layers import QSAAttention, QSABatch, QSAConfig
+from sa_layers.testing import tiny_qsa_config as tiny_config
+from sa_layers.testing import tiny_qsa_model as tiny_model
 from sa_routing import QSAContextParallel, apply_qsa_rope
 
 SEQUENCE = 40
-
-
-def tiny_config(**overrides) -> QSAConfig:
-    """Budget 8, ratio 2: positions from 9 on are sparse."""
-    fields = dict(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,
-        indexer_n_heads=2,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=2,
-        attn_backend="reference",
-        initializer_range=0.2,
-    )
-    fields.update(overrides)
-    return QSAConfig(**fields)
-
-
-def tiny_model(seed: int = 0, **overrides) -> QSAModel:
-    torch.manual_seed(seed)
-    model = QSAModel(tiny_config(**overrides))
-    with torch.no_grad():  # non-trivial norm scales, so that a wrong norm cannot hide
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5) if "indexer" not in name else p.uniform_(0.5, 1.5)
-    return model
 
 
 def token_ids(batch: int = 2, length: int = SEQUENCE, seed: int = 1) -> torch.Tensor:
@@ -244,6 +214,63 @@ def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_
 def test_without_route_reuse_the_recompute_runs_the_indexer_again():
     _, _, calls = train_step("full", reuse=False)
     assert calls == 4
+
+
+# -- the per-forward dense mask and torch.compile --------------------------------------------------
+
+
+def test_dense_layers_read_the_mask_the_batch_built_once_and_plain_batches_need_none(monkeypatch):
+    from sa_layers.qsa import attention
+    from sa_layers.qsa import layout as layout_module
+
+    model = tiny_model(layer_types=("dense", "dense"))
+    mask = torch.ones(2, SEQUENCE, dtype=torch.long)
+    mask[1, 29:] = 0
+    expected = model(token_ids(), attention_mask=mask).logits
+    builds = []
+    build = layout_module.dense_visibility
+    monkeypatch.setattr(layout_module, "dense_visibility", lambda *a: builds.append(1) or build(*a))
+    monkeypatch.setattr(attention, "dense_visibility", layout_module.dense_visibility)
+    out = model(token_ids(), attention_mask=mask).logits
+    assert len(builds) == 1  # once per forward, not once per dense layer
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert layout(model.config, token_ids()).dense_mask is None  # plain causal: SDPA's causal path
+    padded = layout(model.config, token_ids(), attention_mask=mask)
+    visible = padded.dense_mask[:, 0]
+    assert visible.shape == (2, SEQUENCE, SEQUENCE)
+    assert torch.equal(visible[0], torch.ones(SEQUENCE, SEQUENCE).tril().bool())
+    assert not visible[1, :29, 29:].any() and torch.equal(
+        visible[1, 29:, 29:], torch.eye(11).bool()
+    )
+    # a routed model outside the dense warm-up lays out no dense mask
+    assert model.attends_densely() and not tiny_model().attends_densely()
+
+
+def test_compiled_model_forward_and_backward_equal_eager():
+    """torch.compile (aot_eager: Dynamo and AOTAutograd, no Inductor) over a padded batch through a
+    routed and a dense layer, the indexer's loss on: route selection and sparse attention run
+    outside the graph, everything else inside; every gradient equals eager's."""
+    torch._dynamo.reset()
+    model = tiny_model(layer_types=("qsa", "dense"))
+    model.set_indexer_training("sparse")
+    mask = torch.ones(2, SEQUENCE, dtype=torch.long)
+    mask[1, 31:] = 0
+    labels = token_ids(seed=7)
+    results = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        out = run(token_ids(), attention_mask=mask, labels=labels)
+        total = out.loss if out.indexer_loss is None else out.loss + out.indexer_loss
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach(), total.detach(), grads))
+    (logits, loss, grads), (c_logits, c_loss, c_grads) = results
+    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
+    assert c_grads.keys() == grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(c_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # -- context parallelism on gloo ranks -------------------------------------------------------------

@@ -9,62 +9,21 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sa_cp.testing import run_on_ranks
-from sa_layers import Step5Attention, Step5Batch, Step5Config, Step5Model
-from sa_routing import Step5SparseConfig, csa_indexer_distillation_loss
+from sa_layers import Step5Attention, Step5Batch, Step5Model, testing
+from sa_layers.testing import randomise_norms, tiny_step5_config, tiny_step5_model
+from sa_routing import csa_indexer_distillation_loss
 
 SEQUENCE = 48
 # queries at document position >= (TOPK + 1) * REGION = 12 are sparse
-REGION, TOPK = 4, 2
+REGION, TOPK = tiny_step5_config().sparse_config.region_size, tiny_step5_config().sparse_config.topk
 # Row 0: a long document (sparse queries), then a short one. Row 1: two documents, a padding tail.
 DOCUMENTS = [[30, 18], [21, 16]]
 ROUTED = ("swa", "csa", "swa", "csa")
 STAGES = ("dense_warmup", "sparse")
 
 
-def tiny_config(**overrides) -> Step5Config:
-    fields = dict(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_attention_groups=2,
-        head_dim=16,
-        sliding_window=8,
-        rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
-        partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
-        sparse_config=Step5SparseConfig(
-            proxy_dim=16,
-            index_heads=4,
-            num_provider_groups=2,
-            rope_dim=8,
-            region_size=REGION,
-            topk=TOPK,
-            hidden_size=32,
-        ),
-        layer_types=ROUTED,
-        attn_backend="reference",
-        initializer_range=0.2,
-    )
-    fields.update(overrides)
-    return Step5Config(**fields)
-
-
-def randomise_norms(module: torch.nn.Module) -> None:
-    """Non-trivial norm scales (the indexers' too), so that a wrong norm cannot hide."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and "indexer" not in name:
-                p.uniform_(-0.5, 0.5)
-            elif "indexer" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-
-
-def tiny_model(seed: int = 0, **overrides) -> Step5Model:
-    torch.manual_seed(seed)
-    model = Step5Model(tiny_config(**overrides))
-    randomise_norms(model)
-    return model
+tiny_config = functools.partial(tiny_step5_config, layer_types=ROUTED)
+tiny_model = functools.partial(tiny_step5_model, layer_types=ROUTED)
 
 
 def token_ids(seed: int = 1) -> torch.Tensor:
@@ -73,13 +32,7 @@ def token_ids(seed: int = 1) -> torch.Tensor:
 
 def packed_positions() -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: back-to-back documents of DOCUMENTS' lengths, then padding."""
-    positions = torch.zeros(2, SEQUENCE, dtype=torch.int64)
-    padding = torch.ones(2, SEQUENCE, dtype=torch.bool)
-    for row, lengths in enumerate(DOCUMENTS):
-        pieces = torch.cat([torch.arange(n) for n in lengths])
-        positions[row, : pieces.numel()] = pieces
-        padding[row, : pieces.numel()] = False
-    return positions, padding
+    return testing.packed_positions(DOCUMENTS, SEQUENCE)
 
 
 def indexer_names(model: torch.nn.Module) -> set[str]:

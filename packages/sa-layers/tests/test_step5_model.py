@@ -12,61 +12,23 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
 from sa_kernels.backend import triton_interpret
-from sa_layers import Step5Attention, Step5Batch, Step5Config, Step5DecoderLayer, Step5Model
+from sa_layers import (
+    Step5Attention,
+    Step5Batch,
+    Step5Config,
+    Step5DecoderLayer,
+    Step5Model,
+    testing,
+)
 from sa_layers.moe import Step5MoE
-from sa_routing import Step5SparseConfig
+from sa_layers.testing import randomise_norms
+from sa_layers.testing import tiny_step5_config as tiny_config
+from sa_layers.testing import tiny_step5_model as tiny_model
 
 SEQUENCE = 48
 # queries at document position >= (TOPK + 1) * REGION = 12 are sparse
-REGION, TOPK, WINDOW = 4, 2, 8
-
-
-def tiny_config(**overrides) -> Step5Config:
-    sparse = overrides.pop("sparse", {})
-    fields = dict(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_attention_groups=2,
-        head_dim=16,
-        sliding_window=WINDOW,
-        rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
-        partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
-        swiglu_limits=(0.0, 2.0, 0.0, 1.5),
-        sparse_config=Step5SparseConfig(
-            proxy_dim=16,
-            index_heads=4,
-            num_provider_groups=2,
-            rope_dim=8,
-            region_size=REGION,
-            topk=TOPK,
-            hidden_size=32,
-            **sparse,
-        ),
-        attn_backend="reference",
-        initializer_range=0.2,
-    )
-    fields.update(overrides)
-    return Step5Config(**fields)
-
-
-def randomise_norms(module: torch.nn.Module) -> None:
-    """Non-trivial norm scales, so that a wrong norm cannot hide."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name and "indexer" not in name:
-                p.uniform_(-0.5, 0.5)
-            elif "indexer" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-
-
-def tiny_model(seed: int = 0, **overrides) -> Step5Model:
-    torch.manual_seed(seed)
-    model = Step5Model(tiny_config(**overrides))
-    randomise_norms(model)
-    return model
+REGION, TOPK = tiny_config().sparse_config.region_size, tiny_config().sparse_config.topk
+WINDOW = tiny_config().sliding_window
 
 
 def token_ids(batch: int = 2, length: int = SEQUENCE, seed: int = 1) -> torch.Tensor:
@@ -75,13 +37,7 @@ def token_ids(batch: int = 2, length: int = SEQUENCE, seed: int = 1) -> torch.Te
 
 def packed_positions(documents: list[list[int]], length: int = SEQUENCE):
     """Per row: back-to-back documents of the given lengths, then padding up to `length`."""
-    positions = torch.zeros(len(documents), length, dtype=torch.int64)
-    padding = torch.ones(len(documents), length, dtype=torch.bool)
-    for row, lengths in enumerate(documents):
-        pieces = torch.cat([torch.arange(n) for n in lengths])
-        positions[row, : pieces.numel()] = pieces
-        padding[row, : pieces.numel()] = False
-    return positions, padding
+    return testing.packed_positions(documents, length)
 
 
 # Row 0: a long document (sparse queries), then a short one. Row 1: two documents, a padding tail.
@@ -387,6 +343,32 @@ def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_
 def test_without_route_reuse_the_recompute_runs_the_indexer_again():
     _, _, calls = train_step("full", reuse=False)
     assert calls == 4
+
+
+def test_compiled_model_forward_and_backward_equal_eager():
+    """torch.compile (aot_eager: Dynamo and AOTAutograd, no Inductor) over packed, padded rows
+    through SWA, dense and CSA layers, the indexer's loss on: region selection and sparse
+    attention run outside the graph; every gradient equals eager's."""
+    torch._dynamo.reset()
+    model = tiny_model(layer_types=("swa", "dense", "swa", "csa"))
+    model.set_indexer_training("sparse")
+    positions, padding = packed_positions(DOCUMENTS)
+    labels = token_ids(seed=7)
+    results = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        out = run(token_ids(), positions, padding, labels=labels)
+        total = out.loss + out.indexer_loss
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.logits.detach(), total.detach(), grads))
+    (logits, loss, grads), (c_logits, c_loss, c_grads) = results
+    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
+    assert c_grads.keys() == grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(c_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # -- context parallelism on gloo ranks -------------------------------------------------------------
