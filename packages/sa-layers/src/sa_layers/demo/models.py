@@ -37,6 +37,7 @@ class Geometry:
     groups: int = 2
     index_heads: int = 2
     init_std: float = 0.05
+    """`index_heads`: the indexer's query heads, QSA in all, Step-5 per KV group."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class QSADemo:
 
     name = "qsa"
     unit_name = "compressed block"
+    index_heads = 8
+    warmup_lr = 1e-3
+    """Eight index heads: a fact token whose key has a non-positive dot with every head's answer
+    query scores 0 (ReLU) and gets no distillation gradient; with more heads fewer facts start so."""
 
     def __init__(self, geometry: Geometry) -> None:
         self.geometry = geometry
@@ -114,6 +119,8 @@ class Step5Demo:
 
     name = "step5"
     unit_name = "region"
+    index_heads = 2
+    warmup_lr = 3e-3
 
     def __init__(self, geometry: Geometry) -> None:
         self.geometry = geometry

@@ -1,9 +1,15 @@
 """The demo's synthetic long-context retrieval task: find the value of the key asked at the end.
 
-A sequence is filler tokens with `pairs` key–value facts scattered through it (one token each, keys
-distinct); its last `questions` tokens ask for one of the keys, and the label at each of them is
-that key's value. A model
-answers only by attending from the last position to the fact (the *needle*) far back in the context.
+A sequence is filler tokens with `pairs` key–value facts scattered through it (keys distinct), each
+written over one aligned span of `span` tokens (the fact token repeated); its last `questions`
+tokens ask for one of the keys, and the label at each of them is that key's value. A model answers
+only by attending from the last position to the fact (the *needle*) far back in the context.
+
+The demo sets `span` to the indexer's unit (QSA compressed block, Step-5 region): a fact is then one
+whole unit, as a sentence spans several tokens. A one-token fact shares its unit with `unit − 1`
+filler tokens; QSA's block key is the mean of the block's key rows, so such a fact's key is mostly
+filler and a fresh indexer's warm-up on the demo's budget of steps leaves its recall far below 0.9
+(Step-5's learned softmax pooling of a region picks the fact out, more slowly).
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ class RetrievalTask:
         return FILLER + KEYS * VALUES + KEYS + value
 
     def sample(self, batch: int) -> RetrievalBatch:
-        """A fresh batch drawn from the task's generator (deterministic for a seed)."""
+        """A fresh batch drawn from the task's generator (deterministic for a seed); `needles` are
+        the first positions of the asked facts' spans."""
         g, s, n, asks = self.generator, self.seq_len, self.pairs, self.questions
         ids = torch.randint(0, FILLER, (batch, s), generator=g)
         keys = torch.rand(batch, KEYS, generator=g).argsort(dim=1)[:, :n]

@@ -31,7 +31,11 @@ STAGES = ("dense", "warmup", "sparse")
 @dataclass(frozen=True)
 class DemoSettings:
     """What the demo trains. Steps are per stage; `budget` is the tokens the indexer routes each
-    query (group) to, in units of `unit` tokens (QSA compress ratio, Step-5 region size)."""
+    query (group) to, in units of `unit` tokens (QSA compress ratio, Step-5 region size); each fact
+    of the task fills one aligned span of `unit` tokens (`RetrievalTask.span`), so that it is one
+    unit of the indexer, as a sentence would be (`span` overrides it); `index_heads` are the indexer's query heads (QSA:
+    in all; Step-5: per KV group); `index_heads` and `warmup_lr` default to the model's
+    (`models.QSADemo`, `models.Step5Demo`)."""
 
     model: str = "step5"
     seq_len: int = 512
@@ -44,14 +48,19 @@ class DemoSettings:
     layers: int = 1
     budget: int = 64
     unit: int = 4
+    index_heads: int | None = None
+    span: int | None = None
     lr: float = 3e-3
-    warmup_lr: float = 3e-3
+    warmup_lr: float | None = None
     device: str = "cpu"
     seed: int = 0
 
     def demo(self):
         """The `models.QSADemo` / `models.Step5Demo` of `model`."""
-        return MODELS[self.model](Geometry(self.hidden, self.layers, self.unit, self.budget))
+        heads = self.index_heads or MODELS[self.model].index_heads
+        return MODELS[self.model](
+            Geometry(self.hidden, self.layers, self.unit, self.budget, index_heads=heads)
+        )
 
 
 @dataclass
@@ -115,11 +124,11 @@ def run(
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
     demo = settings.demo()
-    short = RetrievalTask(max(settings.seq_len // 4, 64), settings.pairs, settings.seed)
-    task = RetrievalTask(settings.seq_len, settings.pairs, seed=settings.seed)
-    held_out = RetrievalTask(settings.seq_len, settings.pairs, settings.seed + 1).sample(
-        settings.eval_batch
-    )
+    span = settings.span or settings.unit
+    short = RetrievalTask(max(settings.seq_len // 4, 64), settings.pairs, settings.seed, span=span)
+    task = RetrievalTask(settings.seq_len, settings.pairs, seed=settings.seed, span=span)
+    held_out = RetrievalTask(settings.seq_len, settings.pairs, settings.seed + 1, span=span)
+    held_out = held_out.sample(settings.eval_batch)
     held_out = RetrievalBatch(*(t.to(device) for t in vars(held_out).values()))
     history = History()
 
@@ -134,7 +143,8 @@ def run(
         elif stage == "sparse":
             model.set_indexer_training("sparse")
         params = [p for p in model.parameters() if p.requires_grad]
-        lr = {"dense": settings.lr, "warmup": settings.warmup_lr, "sparse": settings.lr / 3}[stage]
+        warmup_lr = settings.warmup_lr or demo.warmup_lr
+        lr = {"dense": settings.lr, "warmup": warmup_lr, "sparse": settings.lr / 3}[stage]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         tokens, elapsed = 0, 0.0
         for step in range(steps):
