@@ -1,6 +1,6 @@
 """Turn a CUDA run of the demo (`sa-demo --device cuda`) into the record file docs/results/demo_cuda.json.
 
-    python -m sa_layers.demo --device cuda --seq-len 4096 --steps 400 100 60 --out OUT
+    python -m sa_layers.demo --device cuda [--model step5|qsa] --out OUT
     python tools/demo_record.py OUT/metrics.json [--commit SHA] [--results docs/results]
 
 Rows: the sparse model after each stage against the dense model of the same run (training step
@@ -18,6 +18,7 @@ from bench_records import environment, row, write_records
 
 ROOT = Path(__file__).resolve().parent.parent
 RECALL_GOAL = 0.9
+_LAYER = {"qsa": "QSA", "step5": "Step-5 CSA"}
 
 
 def rows_of(metrics: dict) -> list[dict]:
@@ -26,7 +27,8 @@ def rows_of(metrics: dict) -> list[dict]:
     dense_ms = 1e3 * tokens / stages["dense"]["tokens_per_s"]
     shape = (
         f"{settings['batch']} × {settings['seq_len']} tokens, hidden {settings['hidden']}, "
-        f"{settings['layers']} QSA layer, budget {settings['budget']}"
+        f"{settings['layers']} {_LAYER.get(settings.get('model', 'qsa'), 'routed')} layer, "
+        f"budget {settings['budget']}"
     )
     out = []
     for stage, label in (("warmup", "after indexer warm-up"), ("sparse", "after sparse training")):

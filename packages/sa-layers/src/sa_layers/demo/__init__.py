@@ -1,11 +1,13 @@
 """`sa-demo`: train a small sparse-attention model on a long-context retrieval task (CPU or CUDA).
 
-    uv run --extra plots sa-demo [--model qsa] [--seq-len N] [--steps DENSE WARMUP SPARSE]
+    uv run --extra plots sa-demo [--model step5|qsa] [--seq-len N] [--steps DENSE WARMUP SPARSE]
         [--device cpu|cuda] [--seed N] [--out DIR]
 
-Stages: dense training, indexer warm-up by distillation, sparse training (`train.py`). Prints a
-progress bar and a summary table (dense vs sparse attention); writes `metrics.json`, `loss.png`,
-`recall.png` and `routes.png` into `--out` (plots need matplotlib: the `plots` extra).
+A one-layer Step-5 (CSA regions, the default) or QSA (compressed blocks) model on the retrieval task
+(`task.py`); stages: dense training, indexer warm-up by distillation, sparse training (`train.py`).
+Prints a progress bar and a summary table (dense vs sparse attention: answer accuracy, the answer
+query's routing recall, attended keys, attention FLOPs, tokens/s); writes `metrics.json`,
+`loss.png`, `recall.png` and `routes.png` into `--out` (plots need matplotlib: the `plots` extra).
 """
 
 from __future__ import annotations
