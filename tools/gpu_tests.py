@@ -3,6 +3,7 @@
 No uv, no network: the packages are used from source (`packages/*/src` goes on the path).
 
     python tools/gpu_tests.py                         # all gpu tests
+    python tools/gpu_tests.py --part 1/2              # every second gpu test (two calls share the suite)
     python tools/gpu_tests.py --no-tests --bench all  # every benchmark: rewrites docs/results/*.json
     python tools/gpu_tests.py --bench rms_norm --bench sparse_gqa --quick
     python tools/gpu_tests.py --cpu-bench             # CPU-only benchmarks (the `bench` nox session)
@@ -14,7 +15,9 @@ become the record files `docs/results/<area>.json` (`bench_adapters.records`: on
 schema of `bench_records`), from which `python tools/render_benchmarks.py` writes docs/benchmarks.md.
 Quick runs, `--cpu-bench` and runs without a GPU write their record files under .bench-out/results/
 instead: they are not the record.
-Prints a short table last and writes everything as JSON (`--json`, default .bench-out/gpu_tests.json).
+Prints a short table last and writes everything as JSON (`--json`, default .bench-out/gpu_tests.json);
+the test outcomes are rewritten there after every test, so a run stopped by a time limit still leaves
+what it ran.
 """
 
 from __future__ import annotations
@@ -49,10 +52,20 @@ def benchmark_scripts() -> dict[str, Path]:
 
 
 class _Outcomes:
-    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there)."""
+    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there),
+    and, with `part` = (k, n), only every n-th collected test starting at the k-th."""
 
-    def __init__(self) -> None:
+    def __init__(self, part: tuple[int, int], on_record) -> None:
         self.records: list[dict] = []
+        self.part = part
+        self.on_record = on_record
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        k, n = self.part
+        if n > 1:
+            kept = items[k - 1 :: n]
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = kept
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -63,6 +76,7 @@ class _Outcomes:
                     "seconds": round(report.duration, 3),
                 }
             )
+            self.on_record(self.records)
 
 
 def test_paths() -> list[str]:
@@ -73,15 +87,26 @@ def test_paths() -> list[str]:
 
 def pytest_args(extra: list[str]) -> list[str]:
     config = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]
-    return [*config, "-m", "gpu", "-q", *test_paths(), *extra]
+    return [*config, "-m", "gpu", "-q", "-rfE", "--durations=15", *test_paths(), *extra]
 
 
-def run_tests(extra: list[str]) -> tuple[int, list[dict]]:
+def run_tests(extra: list[str], part: tuple[int, int], on_record) -> tuple[int, list[dict]]:
     import pytest
 
-    plugin = _Outcomes()
+    plugin = _Outcomes(part, on_record)
     code = pytest.main(pytest_args(extra), plugins=[plugin])
     return int(code), plugin.records
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """`"k/n"` → (k, n) with 1 <= k <= n."""
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part must be K/N, e.g. 1/2; got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--part K/N needs 1 <= K <= N; got {text!r}")
+    return k, n
 
 
 def script_args(name: str, quick: bool) -> list[str]:
@@ -137,6 +162,12 @@ def main() -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="print what would run, run nothing, write nothing"
     )
+    parser.add_argument(
+        "--part",
+        type=parse_part,
+        default=(1, 1),
+        help="K/N: run every N-th gpu test from the K-th, so N calls under a time limit share the suite",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
     scripts = benchmark_scripts()
@@ -150,7 +181,8 @@ def main() -> int:
     results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
     if args.dry_run:
         if run_pytest:
-            print("pytest " + shlex.join(pytest_args(args.pytest_args)))
+            part = "" if args.part[1] == 1 else f"  (part {args.part[0]}/{args.part[1]})"
+            print("pytest " + shlex.join(pytest_args(args.pytest_args)) + part)
         for name in names:
             relative = scripts[name].relative_to(ROOT)
             print(shlex.join(["python", str(relative), *script_args(name, args.quick)]))
@@ -166,8 +198,14 @@ def main() -> int:
 
     report: dict = {"environment": environment(ROOT, args.commit), "tests": [], "benchmarks": []}
     code = 0
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(tests: list[dict]) -> None:
+        out.write_text(json.dumps({**report, "tests": tests}, indent=2))
+
     if run_pytest:
-        code, report["tests"] = run_tests(args.pytest_args)
+        code, report["tests"] = run_tests(args.pytest_args, args.part, save)
     for name in names:
         result = run_benchmark(name, scripts[name], args.quick)
         report["benchmarks"].append(result)
@@ -183,8 +221,7 @@ def main() -> int:
             else:
                 result["record_files"] = [str(p) for p in written]
 
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
+    save(report["tests"])
     print("\n" + " ".join(f"{k}={v}" for k, v in report["environment"].items()))
     if report["tests"]:
         counts: dict[str, int] = {}
