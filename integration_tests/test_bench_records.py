@@ -230,7 +230,10 @@ def test_adapters_read_only_keys_their_script_writes(name):
     """A renamed key in a script fails here, not on the GPU machine."""
     if name not in SCRIPTS:
         pytest.skip(f"no bench_{name}.py in this tree")
-    source = SCRIPTS[name].read_text()
+    script = SCRIPTS[name]
+    # the script and the modules its folder shares between scripts (those not named bench_*)
+    shared = [p for p in sorted(script.parent.glob("*.py")) if not p.name.startswith("bench_")]
+    source = "".join(p.read_text() for p in [script, *shared])
     for row in NATIVE[name]:
         for key in row:
             assert f'"{key}"' in source or f"{key}=" in source, f"bench_{name}.py writes no {key!r}"

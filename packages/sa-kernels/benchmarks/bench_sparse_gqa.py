@@ -34,13 +34,11 @@ default launch first.
 
 import argparse
 import functools
-import json
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from triton.testing import do_bench
+from sparse_attention_bench import Table, attempt, bench, dense_causal_sdpa, sweep_launches
 
 from sa_kernels.sparse_gqa import (
     _attention,
@@ -79,61 +77,6 @@ SWEEP_OPTIONS = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
      "BLOCK_N2": 32, "num_stages": 2, "num_warps": 4},
 ]  # fmt: skip
-
-
-def _bench(fn, inputs, grad):
-    """(fwd ms, fwd+bwd ms), medians of short do_bench runs."""
-
-    def fwd_bwd():
-        fn(*inputs).backward(grad)
-
-    fwd = do_bench(lambda: fn(*inputs), warmup=5, rep=20)
-    both = do_bench(fwd_bwd, warmup=5, rep=40, grad_to_none=list(inputs))
-    return fwd, both
-
-
-class Table:
-    """Rows printed as they come and rewritten to the JSON path after each (a timeout keeps them)."""
-
-    def __init__(self, json_path=None):
-        self.json_path = json_path
-        self.rows = []
-        self.dense = None  # (fwd ms, fwd+bwd ms)
-        self.block = None  # (fwd TFLOP/s, fwd+bwd TFLOP/s)
-
-    def add(self, name, shape, fwd_ms, ms, pairs, head_dim, extra=None):
-        fwd_tf = 4 * pairs * head_dim / fwd_ms / 1e9
-        tf = 14 * pairs * head_dim / ms / 1e9
-        row = {
-            "name": name,
-            "shape": shape,
-            "fwd_ms": round(fwd_ms, 3),
-            "ms": round(ms, 3),
-            "fwd_tflops": round(fwd_tf, 1),
-            "tflops": round(tf, 1),
-        }
-        if self.dense:
-            row["fwd_vs_dense"] = round(self.dense[0] / fwd_ms, 3)
-            row["vs_dense"] = round(self.dense[1] / ms, 3)
-        if self.block:
-            row["fwd_vs_block"] = round(fwd_tf / self.block[0], 3)
-            row["vs_block"] = round(tf / self.block[1], 3)
-        row.update(extra or {})
-        self.rows.append(row)
-        if self.json_path:
-            with open(self.json_path, "w") as fh:
-                json.dump(self.rows, fh, indent=1)
-        ratios = "".join(
-            f" | {key} {row[key]:.2f}"
-            for key in ("fwd_vs_dense", "vs_dense", "fwd_vs_block", "vs_block")
-            if key in row
-        )
-        print(
-            f"{name:<20} {shape:<18} fwd {fwd_ms:>8.3f} ms {fwd_tf:>6.1f} TF/s"
-            f" | fwd+bwd {ms:>8.3f} ms {tf:>6.1f} TF/s{ratios}" + (f" | {extra}" if extra else ""),
-            flush=True,
-        )
-        return row
 
 
 def _block_aligned_mask(route_mask):
@@ -178,14 +121,6 @@ def _attend(q, k, v, *, ids, backend, block_mask, options=None):
     return _attention(q, k, v, ids, backend=backend, block_mask=block_mask, flex_options=options)
 
 
-def _try(label, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as err:  # keep measuring the other rows; the failure is reported
-        print(f"{label}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
-        return None
-
-
 def _routes(kind, route_heads, length, block, keys, gen):
     if kind == "clustered":
         return clustered_routes(
@@ -218,7 +153,7 @@ def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
     mask = build_route_block_mask(ids, inputs[1].shape[1], inputs[0].shape[2], build_flex=True)
     assert mask.statistics.causal_offset is None
     fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask)
-    result = _try(f"clustered-flex-bitmap {shape}", _bench, fn, inputs, grad)
+    result = attempt(f"clustered-flex-bitmap {shape}", bench, fn, inputs, grad)
     if result is not None:
         table.add("clustered-flex-bitmap", shape, *result, pairs, dim, {"mask_mod": "bitmap"})
 
@@ -232,15 +167,7 @@ def run_geometry(
     q, k, v = make(1, length, hq, dim), make(1, length, hkv, dim), make(1, length, hkv, dim)
     grad = make(1, length, hq, dim)
     table.dense = table.block = None
-    # Dense causal SDPA baseline: K/V expanded to the query heads (flash/cuDNN kernels).
-    qd = q.transpose(1, 2).contiguous().requires_grad_()
-    kd = k.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    vd = v.repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
-    fwd, ms = _bench(sdpa, (qd, kd, vd), grad.transpose(1, 2).contiguous())
-    table.add("dense-causal-sdpa", shape, fwd, ms, hq * length * (length + 1) // 2, dim)
-    table.dense = (fwd, ms)
-    del qd, kd, vd
+    dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2).contiguous())
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     route_heads = hkv if per_group else 1
     for kind in kinds:
@@ -267,7 +194,7 @@ def run_geometry(
             backends.insert(1, "fa4")
         for backend in backends if only is None else [b for b in backends if b in only]:
             fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
-            result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)
+            result = attempt(f"{kind}-{backend} {shape}", bench, fn, (q, k, v), grad)
             if result is not None:
                 extra = dict(info or {})
                 if backend == "auto":
@@ -287,7 +214,7 @@ def _block_baseline(table, shape, inputs, grad, route_mask, pairs, dim):
     block_mask = _block_aligned_mask(route_mask)
     for options in (None, flex_kernel_options(dim, torch.bfloat16, "cuda")):
         fn = functools.partial(_block_flex, mask=block_mask, options=options)
-        result = _try(f"block-flex {shape} options={options}", _bench, fn, inputs, grad)
+        result = attempt(f"block-flex {shape} options={options}", bench, fn, inputs, grad)
         if result is not None:
             extra = {"kernel_options": "default" if options is None else "ours"}
             row = table.add("block-flex", shape, *result, pairs, dim, extra)
@@ -301,7 +228,7 @@ def _sweep(table, shape, ids, mask, inputs, grad, pairs, dim):
     best = None
     for i, options in enumerate(SWEEP_OPTIONS):
         fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask, options=options)
-        result = _try(f"sweep {i} {options}", _bench, fn, inputs, grad)
+        result = attempt(f"sweep {i} {options}", bench, fn, inputs, grad)
         if result is None:
             continue
         row = table.add(f"sweep-flex-{i}", shape, *result, pairs, dim, {"options": options})
@@ -318,51 +245,23 @@ def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim, which="both"):
     routes, counts = mask.routes, mask.counts
     out, lse = gather_attention_forward(q, k, v, routes, counts, scale)
     grads = gather_attention_backward(q, k, v, out, grad, lse, routes, counts, scale)
-    for backward, configs in ((False, SWEEP_FORWARD_CONFIGS), (True, SWEEP_BACKWARD_CONFIGS)):
-        if which != "both" and which != ("bwd" if backward else "fwd"):
-            continue
-        default = default_config(dim, backward)
-        best = None
-        for config in configs:
-            if backward:
-                run = lambda c=config: gather_attention_backward(
-                    q, k, v, out, grad, lse, routes, counts, scale, _config=c
-                )
-                want = grads
-            else:
-                run = lambda c=config: gather_attention_forward(
-                    q, k, v, routes, counts, scale, _config=c
-                )
-                want = (out, lse)
-            got = _try(f"sweep-gather {config}", run)
-            if got is None:
-                continue
-            mismatch = [
-                float((a.float() - b.float()).abs().max())
-                for a, b in zip(got, want, strict=True)
-                if not torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-            ]
-            if mismatch:  # reported, not timed; the run goes on
-                print(f"sweep-gather {config}: MISMATCH vs the default, max abs diff {mismatch}")
-                continue
-            result = _try(f"sweep-gather {config}", do_bench, run, 5, 40)
-            if result is None:
-                continue
-            name = "sweep-gather-" + ("bwd" if backward else "fwd")
-            flops = (10 if backward else 4) * pairs * dim
-            row = {"name": name, "shape": shape, "config": config, "ms": round(result, 3)}
-            row["tflops"] = round(flops / result / 1e9, 1)
-            row["default"] = config == default
-            table.rows.append(row)
-            print(
-                f"{name:<20} {shape:<18} {result:8.3f} ms {row['tflops']:6.1f} TF/s {config}"
-                + (" (default)" if row["default"] else ""),
-                flush=True,
-            )
-            if best is None or result < best[1]:
-                best = (config, result)
-        if best is not None:
-            print(f"sweep-gather best {'bwd' if backward else 'fwd'}: {best[0]} ({best[1]:.3f} ms)")
+
+    def forward(config):
+        return gather_attention_forward(q, k, v, routes, counts, scale, _config=config)
+
+    def backward(config):
+        return gather_attention_backward(
+            q, k, v, out, grad, lse, routes, counts, scale, _config=config
+        )
+
+    directions = []
+    for is_backward, configs, run, want in (
+        (False, SWEEP_FORWARD_CONFIGS, forward, (out, lse)),
+        (True, SWEEP_BACKWARD_CONFIGS, backward, grads),
+    ):
+        default = default_config(dim, is_backward)
+        directions.append((is_backward, [(c, c == default) for c in configs], run, want))
+    sweep_launches(table, shape, which, directions, pairs, dim)
 
 
 def main(argv=None):

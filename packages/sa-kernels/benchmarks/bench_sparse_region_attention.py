@@ -33,13 +33,11 @@ the default launch first.
 
 import argparse
 import functools
-import json
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from triton.testing import do_bench
+from sparse_attention_bench import Table, attempt, bench, dense_causal_sdpa, sweep_launches
 
 from sa_kernels.sparse_region_attention import (
     auto_backend,
@@ -59,66 +57,6 @@ from sa_kernels.synthetic import csa_selection, region_layout
 KINDS = ("csa", "short-docs")
 HEADS, GROUPS, HEAD_DIM, REGION_SIZE, TOPK = 64, 4, 192, 8, 512
 BACKENDS = ("gather", "flex", "auto")
-
-
-def _bench(fn, inputs, grad):
-    """(fwd ms, fwd+bwd ms), medians of short do_bench runs."""
-
-    def fwd_bwd():
-        fn(*inputs).backward(grad)
-
-    fwd = do_bench(lambda: fn(*inputs), warmup=5, rep=20)
-    both = do_bench(fwd_bwd, warmup=5, rep=40, grad_to_none=list(inputs))
-    return fwd, both
-
-
-class Table:
-    """Rows printed as they come and rewritten to the JSON path after each (a timeout keeps them)."""
-
-    def __init__(self, json_path=None):
-        self.json_path = json_path
-        self.rows = []
-        self.dense = None  # (fwd ms, fwd+bwd ms)
-
-    def add(self, name, shape, fwd_ms, ms, pairs, head_dim, extra=None):
-        fwd_tf = 4 * pairs * head_dim / fwd_ms / 1e9
-        tf = 14 * pairs * head_dim / ms / 1e9
-        row = {
-            "name": name,
-            "shape": shape,
-            "fwd_ms": round(fwd_ms, 3),
-            "ms": round(ms, 3),
-            "fwd_tflops": round(fwd_tf, 1),
-            "tflops": round(tf, 1),
-        }
-        if self.dense:
-            row["fwd_vs_dense"] = round(self.dense[0] / fwd_ms, 3)
-            row["vs_dense"] = round(self.dense[1] / ms, 3)
-        row.update(extra or {})
-        self.rows.append(row)
-        self.dump()
-        ratios = "".join(
-            f" | {key} {row[key]:.2f}" for key in ("fwd_vs_dense", "vs_dense") if key in row
-        )
-        print(
-            f"{name:<20} {shape:<24} fwd {fwd_ms:>8.3f} ms {fwd_tf:>6.1f} TF/s"
-            f" | fwd+bwd {ms:>8.3f} ms {tf:>6.1f} TF/s{ratios}" + (f" | {extra}" if extra else ""),
-            flush=True,
-        )
-        return row
-
-    def dump(self):
-        if self.json_path:
-            with open(self.json_path, "w") as fh:
-                json.dump(self.rows, fh, indent=1)
-
-
-def _try(label, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as err:  # keep measuring the other rows; the failure is reported
-        print(f"{label}: FAILED {type(err).__name__}: {str(err)[:300]}", flush=True)
-        return None
 
 
 def _selection(kind, length, gen):
@@ -154,16 +92,7 @@ def run_length(table, length, gen, kinds, backends, sweep_gather):
     k, v = make(1, length, GROUPS, HEAD_DIM), make(1, length, GROUPS, HEAD_DIM)
     grad = make(1, length, HEADS, HEAD_DIM)
     table.dense = None
-    # Dense causal SDPA baseline: K/V expanded to the query heads.
-    qd = q.transpose(1, 2).contiguous().requires_grad_()
-    kd = k.repeat_interleave(HEADS // GROUPS, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    vd = v.repeat_interleave(HEADS // GROUPS, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)
-    result = _try(f"dense-causal-sdpa {shape}", _bench, sdpa, (qd, kd, vd), grad.transpose(1, 2))
-    if result is not None:
-        table.add("dense-causal-sdpa", shape, *result, HEADS * length * (length + 1) // 2, HEAD_DIM)
-        table.dense = result
-    del qd, kd, vd
+    dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2))
     torch.cuda.empty_cache()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for kind in kinds:
@@ -182,7 +111,7 @@ def run_length(table, length, gen, kinds, backends, sweep_gather):
             fn = functools.partial(
                 _attend, ids=ids, sources=sources, backend=backend, block_mask=mask
             )
-            result = _try(f"{kind}-{backend} {shape}", _bench, fn, (q, k, v), grad)
+            result = attempt(f"{kind}-{backend} {shape}", bench, fn, (q, k, v), grad)
             if result is None:
                 continue
             extra = dict(info)
@@ -204,53 +133,23 @@ def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"
     routes, counts = mask.routes, mask.counts
     out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
     grads = region_attention_backward(q, k, v, out, grad, lse, routes, counts, sources, 0, scale)
-    head_pairs = pairs * (HEADS // GROUPS)
-    for backward, configs in ((False, SWEEP_FORWARD_CONFIGS), (True, SWEEP_BACKWARD_CONFIGS)):
-        if which != "both" and which != ("bwd" if backward else "fwd"):
-            continue
-        default = default_config(HEAD_DIM, backward)
-        best = None
-        for config in [default, *configs]:
-            if backward:
-                run = lambda c=config: region_attention_backward(
-                    q, k, v, out, grad, lse, routes, counts, sources, 0, scale, _config=c
-                )
-                want = grads
-            else:
-                run = lambda c=config: region_attention_forward(
-                    q, k, v, routes, counts, sources, 0, scale, _config=c
-                )
-                want = (out, lse)
-            got = _try(f"sweep-gather {config}", run)
-            if got is None:
-                continue
-            mismatch = [
-                float((a.float() - b.float()).abs().max())
-                for a, b in zip(got, want, strict=True)
-                if not torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-            ]
-            if mismatch:  # reported, not timed; the run goes on
-                print(f"sweep-gather {config}: MISMATCH vs the default, max abs diff {mismatch}")
-                continue
-            result = _try(f"sweep-gather {config}", do_bench, run, 5, 40)
-            if result is None:
-                continue
-            name = "sweep-gather-" + ("bwd" if backward else "fwd")
-            flops = (10 if backward else 4) * head_pairs * HEAD_DIM
-            row = {"name": name, "shape": shape, "config": config, "ms": round(result, 3)}
-            row["tflops"] = round(flops / result / 1e9, 1)
-            row["default"] = config is default
-            table.rows.append(row)
-            table.dump()
-            print(
-                f"{name:<20} {shape:<24} {result:8.3f} ms {row['tflops']:6.1f} TF/s {config}"
-                + (" (default)" if row["default"] else ""),
-                flush=True,
-            )
-            if best is None or result < best[1]:
-                best = (config, result)
-        if best is not None:
-            print(f"sweep-gather best {'bwd' if backward else 'fwd'}: {best[0]} ({best[1]:.3f} ms)")
+
+    def forward(config):
+        return region_attention_forward(q, k, v, routes, counts, sources, 0, scale, _config=config)
+
+    def backward(config):
+        return region_attention_backward(
+            q, k, v, out, grad, lse, routes, counts, sources, 0, scale, _config=config
+        )
+
+    directions = []
+    for is_backward, configs, run, want in (
+        (False, SWEEP_FORWARD_CONFIGS, forward, (out, lse)),
+        (True, SWEEP_BACKWARD_CONFIGS, backward, grads),
+    ):
+        candidates = [(default_config(HEAD_DIM, is_backward), True), *((c, False) for c in configs)]
+        directions.append((is_backward, candidates, run, want))
+    sweep_launches(table, shape, which, directions, pairs * (HEADS // GROUPS), HEAD_DIM)
 
 
 def main(argv=None):
@@ -279,7 +178,7 @@ def main(argv=None):
         flush=True,
     )
     lengths = args.lengths or ([8192] if args.quick else [32768, 65536])
-    table = Table(args.json)
+    table = Table(args.json, shape_width=24)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for length in lengths:
         run_length(table, length, gen, args.kinds, args.backends, args.sweep_gather)
