@@ -7,7 +7,8 @@ import torch
 from mla_cases import errors_against_oracle, random_problem, relative_error
 
 from sa_mla import sparse_mla_attention, sparse_mla_reference, sparse_mla_triton
-from sa_mla.sparse_mla import lse_with_sink, triton_backward
+from sa_mla.sparse_mla import lse_with_sink, select_backend, triton_backward
+from sa_mla.sparse_mla.cudnn_flashmla import unavailable_reason
 from sa_mla.sparse_mla.reference import sparse_mla_reference_with_lse
 from sa_mla.sparse_mla.triton_forward import sparse_mla_forward
 
@@ -298,14 +299,18 @@ def test_triton_gpu_odd_head_counts_with_lengths_and_sink(heads):
 
 @pytest.mark.gpu
 def test_auto_backend_on_cuda_runs_a_fused_or_triton_path_matching_oracle():
+    """`auto` takes the fused path where FlashMLA and the cuDNN frontend run, else Triton: the
+    chosen path is checked against that rule and named in the failure message."""
     p = random_problem(200, 64, 576, 2000, 256, sink=True, device="cuda", seed=59)
+    chosen = select_backend("auto", p.q, p.kv_latent, p.topk_indices)
+    assert chosen == ("cudnn" if unavailable_reason(p.q.device) is None else "triton")
     errors = errors_against_oracle(sparse_mla_attention, p)
     assert (
         errors["out"] <= 5e-3
         and errors["dq"] <= 1e-2
         and errors["dkv"] <= 1e-2
         and errors["dsink"] <= 1e-2
-    ), errors
+    ), (chosen, errors)
 
 
 @pytest.mark.gpu
