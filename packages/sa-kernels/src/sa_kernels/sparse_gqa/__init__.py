@@ -33,7 +33,7 @@ from .flex import (
     flex_kernel_options,
 )
 from .reference import sparse_gqa_attention_reference
-from .triton_kernels import gather_attention_backward, gather_attention_forward
+from .triton_kernels import gather_attention_backward, gather_attention_forward, natural_lse
 
 __all__ = [
     "FLEX_TESTED_CAPABILITIES",
@@ -49,20 +49,24 @@ BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
 
 class _GatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, routes, counts, scale):
+    def forward(ctx, query, key, value, routes, counts, scale, return_lse=False):
         out, lse = gather_attention_forward(query, key, value, routes, counts, scale)
         ctx.save_for_backward(query, key, value, out, lse, routes, counts)
         ctx.scale = scale
-        return out
+        if not return_lse:
+            return out
+        natural = natural_lse(lse)  # [B, Q, Hq], natural log; carries no gradient
+        ctx.mark_non_differentiable(natural)
+        return out, natural
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_lse):
         query, key, value, out, lse, routes, counts = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         dq, dk, dv = gather_attention_backward(
             query, key, value, out, grad_out, lse, routes, counts, ctx.scale
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def auto_backend(
@@ -188,7 +192,8 @@ def sparse_gqa_attention(
     *,
     backend: str = "auto",
     block_mask: RouteBlockMask | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query row over the keys its route selects (GQA, K/V not expanded).
 
     Args:
@@ -217,16 +222,25 @@ def sparse_gqa_attention(
         running a backend.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes, non-integer token_ids, a
-            block_mask that is not a RouteBlockMask, a softmax_scale that is not a number.
+            block_mask that is not a RouteBlockMask, a softmax_scale that is not a number, a
+            return_lse that is not a bool.
         ValueError: shapes that disagree, no key (kv_length 0), no channel (head_dim 0), no query
             or KV head, an unknown backend, tensors on several devices, a softmax_scale that is not
             finite and > 0, a block_mask built for other routes, backend 'fa4' on routes it does
             not serve.
         RuntimeError: backend 'flex' or 'fa4' on CPU tensors, 'gather' on CPU without
-            TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given).
+            TRITON_INTERPRET=1, 'fa4' where flash-attn-4 cannot run (the reason is given), 'fa4'
+            with `return_lse` where flash-attn-4 returns no log-sum-exp.
     """
     return _attention(
-        query, key, value, token_ids, softmax_scale, backend=backend, block_mask=block_mask
+        query,
+        key,
+        value,
+        token_ids,
+        softmax_scale,
+        backend=backend,
+        block_mask=block_mask,
+        return_lse=return_lse,
     )
 
 
@@ -240,17 +254,23 @@ def _attention(
     backend: str = "auto",
     block_mask: RouteBlockMask | None = None,
     flex_options: dict | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`sparse_gqa_attention`, for benchmarks: `flex_options` (Flex `kernel_options`) replaces
     `flex_kernel_options`' choice on the Flex backend (`bench_sparse_gqa.py --sweep`)."""
     fn = "sparse_gqa_attention"
     _validate(fn, query, key, value, token_ids, backend)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{fn}: return_lse must be a bool; got {return_lse!r}")
     if block_mask is not None:
         _check_block_mask(fn, block_mask, query, key, token_ids)
     head_dim = query.shape[-1]
     scale = softmax_scale_value(fn, softmax_scale, head_dim)
     if query.shape[0] == 0 or query.shape[1] == 0:
-        return query * 0  # empty, and still on query's autograd graph
+        empty = query * 0  # empty, and still on query's autograd graph
+        if return_lse:
+            return empty, query.new_empty(query.shape[:3], dtype=torch.float32)
+        return empty
     capability = device_capability(query)  # None on CPU
     if backend == "fa4":
         if query.dtype not in (torch.bfloat16, torch.float16):
@@ -261,7 +281,9 @@ def _attention(
     if backend == "auto" and query.device.type != "cuda":
         backend = "reference"
     if backend == "reference":
-        return sparse_gqa_attention_reference(query, key, value, token_ids, scale)
+        return sparse_gqa_attention_reference(
+            query, key, value, token_ids, scale, return_lse=return_lse
+        )
     check_fast_backend(fn, backend, query)
     if block_mask is None:
         block_mask = build_route_block_mask(
@@ -283,7 +305,7 @@ def _attention(
     elif backend == "fa4" and (issue := fa4_route_issue(block_mask, head_dim)) is not None:
         raise ValueError(f"{fn}: backend='fa4': {issue}")
     if backend == "fa4":
-        return fa4_attention(query, key, value, block_mask, scale)
+        return fa4_attention(query, key, value, block_mask, scale, return_lse=return_lse)
     if backend == "flex":
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
@@ -296,6 +318,10 @@ def _attention(
                 capability,
                 bitmap_mask=block_mask.tile_statistics().causal_offset is None,
             )
-        return flex_attend(compiled_flex(), query, key, value, block_mask, scale, options)
+        return flex_attend(
+            compiled_flex(), query, key, value, block_mask, scale, options, return_lse=return_lse
+        )
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return _GatherAttention.apply(query, key, value, block_mask.routes, block_mask.counts, scale)
+    return _GatherAttention.apply(
+        query, key, value, block_mask.routes, block_mask.counts, scale, return_lse
+    )

@@ -14,6 +14,7 @@ line are dropped.
 """
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,16 @@ def _flash_attn_func():
     from flash_attn.cute.interface import flash_attn_func
 
     return flash_attn_func
+
+
+@functools.cache
+def _takes_return_lse(attention) -> bool:
+    """Whether this flash-attn-4 `flash_attn_func` takes `return_lse` (releases without it return
+    the LSE beside the output only when an input requires grad)."""
+    try:
+        return "return_lse" in inspect.signature(attention).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def fa4_unavailable_reason(
@@ -169,9 +180,15 @@ def fa4_attention(
     value: torch.Tensor,
     block_mask: RouteBlockMask,
     scale: float,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FA4 block-sparse causal attention over the route tiles; [batch, queries, query_heads, head_dim].
 
+    With `return_lse`, `(out, lse)`: FA4's log-sum-exp (asked for with `return_lse=True` where
+    `flash_attn_func` takes it; FP32 [batch, query_heads, queries], natural log, −inf on a row with
+    no key) as float32 [batch, queries, query_heads], contiguous and detached; a flash-attn-4 call
+    that returns none raises RuntimeError.
     The caller has checked that FA4 runs here (`fa4_unavailable_reason`) and serves these routes at
     this head_dim (`fa4_route_issue`); neither is asked again."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
@@ -179,7 +196,9 @@ def fa4_attention(
     tiles = _tiles(block_mask, fa4_key_tile(query.shape[-1]))
     forward = BlockSparseTensorsTorch(*tiles.forward, block_size=tiles.block_size)
     backward = BlockSparseTensorsTorch(*tiles.backward, block_size=tiles.block_size)
-    result = _flash_attn_func()(
+    attention = _flash_attn_func()
+    extra = {"return_lse": True} if return_lse and _takes_return_lse(attention) else {}
+    result = attention(
         query,
         key,
         value,
@@ -187,6 +206,7 @@ def fa4_attention(
         causal=True,
         block_sparse_tensors=forward,
         block_sparse_tensors_bwd=backward,
+        **extra,
     )
     out = result[0] if isinstance(result, tuple) else result  # 4.0.0b36 returns (out, lse)
     if out.shape != query.shape:
@@ -194,4 +214,15 @@ def fa4_attention(
             f"fa4_attention: flash-attn-4 returned shape {tuple(out.shape)} for queries "
             f"{tuple(query.shape)} (tested with 4.0.0b36)"
         )
-    return out
+    if not return_lse:
+        return out
+    batch, queries, heads, _ = query.shape
+    lse = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (batch, heads, queries):
+        got = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise RuntimeError(
+            "sparse_gqa_attention: backend='fa4' cannot serve return_lse=True: flash-attn-4 "
+            f"returned no log-sum-exp [batch, query_heads, queries] = {(batch, heads, queries)} "
+            f"(got {got}); use backend 'gather' or 'flex'"
+        )
+    return out, lse.detach().float().transpose(1, 2).contiguous()

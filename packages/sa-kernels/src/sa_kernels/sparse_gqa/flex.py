@@ -93,14 +93,35 @@ def flex_attend(
     block_mask,
     scale: float,
     kernel_options: dict | None = None,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`attention` (flex_attention, compiled or not) over `block_mask.flex` in our layout.
 
     query: [batch, queries, query_heads, head_dim]; key, value: [batch, kv_length, kv_heads,
     head_dim]; block_mask: a `RouteBlockMask` or `RegionBlockMask` holding its Flex BlockMask.
-    Returns [batch, queries, query_heads, head_dim], contiguous.
+    Returns [batch, queries, query_heads, head_dim], contiguous; with `return_lse`, `(out, lse)`:
+    lse float32 [batch, queries, query_heads], contiguous and detached, Flex's log-sum-exp
+    (`return_aux=AuxRequest(lse=True)`; natural log in every torch release that has `AuxRequest`:
+    `flex_attention` converts its kernels' log2 values before returning; −inf on a row that attends
+    no key).
     """
     extra = {} if kernel_options is None else {"kernel_options": kernel_options}
+    if return_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            block_mask=block_mask.flex,
+            scale=scale,
+            enable_gqa=True,
+            return_aux=AuxRequest(lse=True),
+            **extra,
+        )
+        lse = aux.lse.detach().float().transpose(1, 2).contiguous()
+        return out.transpose(1, 2).contiguous(), lse
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

@@ -33,7 +33,9 @@ def sparse_gqa_attention_reference(
     token_ids: torch.Tensor,
     softmax_scale: float | None = None,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each query row over the keys its route selects (the oracle).
 
     Args:
@@ -45,9 +47,13 @@ def sparse_gqa_attention_reference(
             [0, kv_length) (−1 by convention) are padding; repeats count once.
         softmax_scale: defaults to head_dim ** -0.5.
         query_chunk: queries gathered at once (bounds memory; never changes results).
+        return_lse: also return the log-sum-exp of the scaled scores.
     Returns:
         [batch, queries, query_heads, head_dim] in query.dtype; rows with no valid id are 0 and get
-        zero gradients. Scores and softmax run in FP32 (float64 for float64 inputs).
+        zero gradients. Scores and softmax run in FP32 (float64 for float64 inputs). With
+        `return_lse`, `(out, lse)`: lse float32 [batch, queries, query_heads], the natural log of
+        `Σ exp(scale · q · k)` over the row's distinct valid keys, −inf for a row with none,
+        detached (no gradient).
     """
     batch, queries, query_heads, head_dim = query.shape
     kv_length, kv_heads = key.shape[1], key.shape[2]
@@ -58,7 +64,7 @@ def sparse_gqa_attention_reference(
         token_ids = token_ids.unsqueeze(1).expand(batch, kv_heads, queries, token_ids.shape[-1])
     batch_index = torch.arange(batch, device=query.device).view(batch, 1, 1, 1)
     head_index = torch.arange(kv_heads, device=query.device).view(1, 1, kv_heads, 1)
-    outputs = []
+    outputs, lses = [], []
     for start in range(0, queries, query_chunk):
         stop = min(start + query_chunk, queries)
         ids = token_ids[:, :, start:stop].transpose(1, 2)  # [B, Qc, Hkv, W]
@@ -77,7 +83,18 @@ def sparse_gqa_attention_reference(
         probs = weights / torch.where(total > 0, total, 1.0)
         out = torch.einsum("bqhgw,bqhwd->bqhgd", probs, v)
         outputs.append(out.reshape(batch, stop - start, query_heads, head_dim).to(query.dtype))
+        if return_lse:
+            lses.append(row_lse(peak, total).reshape(batch, stop - start, query_heads))
+    if return_lse:
+        return torch.cat(outputs, dim=1), torch.cat(lses, dim=1)
     return torch.cat(outputs, dim=1)
+
+
+def row_lse(peak: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """float32 natural log-sum-exp `peak + log(total)` of rows shifted by `peak` (detached; −inf
+    where `total` is 0: the row holds no key)."""
+    total = total.detach()
+    return torch.where(total > 0, peak + torch.log(total), float("-inf")).float()
 
 
 def dense_route_mask(token_ids: torch.Tensor, kv_length: int, query_heads: int) -> torch.Tensor:

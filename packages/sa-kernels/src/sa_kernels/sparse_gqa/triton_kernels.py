@@ -21,6 +21,14 @@ from sa_kernels.backend import triton_interpret
 from sa_kernels.triton_dot import fp32_dot
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def natural_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The forward kernels' LSE (FP32 [B, H, Q], log2 domain of scale·scores, +inf on an empty row)
+    as float32 [B, Q, H] natural log, −inf on an empty row (a new contiguous tensor)."""
+    natural = torch.where(lse == float("inf"), float("-inf"), lse * LN2)
+    return natural.transpose(1, 2).contiguous()
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from sa_kernels.sparse_gqa.flex import (
     flex_attend,
     flex_kernel_options,
 )
+from sa_kernels.sparse_gqa.triton_kernels import natural_lse
 
 from .block_mask import (
     FLEX_MIN_OCCUPANCY,
@@ -58,24 +59,30 @@ BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
 
 class _RegionGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, routes, counts, sources, query_start, scale):
+    def forward(
+        ctx, query, key, value, routes, counts, sources, query_start, scale, return_lse=False
+    ):
         out, lse = region_attention_forward(
             query, key, value, routes, counts, sources, query_start, scale
         )
         ctx.save_for_backward(query, key, value, out, lse, routes, counts, sources)
         ctx.query_start = query_start
         ctx.scale = scale
-        return out
+        if not return_lse:
+            return out
+        natural = natural_lse(lse)  # [B, Q, H], natural log; carries no gradient
+        ctx.mark_non_differentiable(natural)
+        return out, natural
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_lse):
         query, key, value, out, lse, routes, counts, sources = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         dq, dk, dv = region_attention_backward(
             query, key, value, out, grad_out, lse, routes, counts, sources,
             ctx.query_start, ctx.scale,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _flex_in_envelope(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
@@ -226,7 +233,8 @@ def sparse_region_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     block_mask: RegionBlockMask | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention of each query over the keys of its KV group's selected regions.
 
     Query row q (global row query_start + q) attends, for its KV group, to every key row k listed
@@ -257,13 +265,22 @@ def sparse_region_attention(
             host sync). When given, the fast backends attend over its canonical routes and do not
             read `region_ids` again (only their shape is checked), so it must come from these ids;
             the reference reads `region_ids`.
+        return_lse: also return the attention's log-sum-exp, from the same forward (no extra
+            pass over the keys).
     Returns:
-        [batch, queries, heads, head_dim] in query.dtype; FP32 softmax; a row with no visible key
-        gives 0 and zero gradients.
+        out: [batch, queries, heads, head_dim] in query.dtype; FP32 softmax; a row with no visible
+            key gives 0 and zero gradients.
+        lse (only with `return_lse`): float32 [batch, queries, heads], the natural log of
+            `Σ exp(softmax_scale · q · k)` over the row's visible keys (what `out` is normalised
+            by); −inf for a row with none. Returned without an autograd graph (detached, or marked
+            non-differentiable): no gradient flows through it. The reference computes it, gather
+            converts its kernels' log2 LSE, Flex returns its own (natural log).
+        `out` alone without `return_lse`, `(out, lse)` with it.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes (float64 on a fast backend),
             non-integer region_ids, region_sources not int32, query_start not an int, a
-            softmax_scale that is not a number, a block_mask that is not a RegionBlockMask.
+            softmax_scale that is not a number, a block_mask that is not a RegionBlockMask, a
+            return_lse that is not a bool.
         ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
             query_start outside [0, kv_length - queries], a softmax_scale that is not finite and
             positive, a block_mask built for other inputs or without the Flex mask for 'flex',
@@ -273,6 +290,8 @@ def sparse_region_attention(
     """
     fn = "sparse_region_attention"
     _validate(fn, query, key, value, region_ids, region_sources, backend)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{fn}: return_lse must be a bool; got {return_lse!r}")
     batch, queries, heads, head_dim = query.shape
     kv_length = key.shape[1]
     query_start = _query_start(fn, query_start, queries, kv_length)
@@ -289,7 +308,7 @@ def sparse_region_attention(
         backend = "reference"
     if backend == "reference":
         return sparse_region_attention_reference(
-            query, key, value, region_ids, region_sources, query_start, scale
+            query, key, value, region_ids, region_sources, query_start, scale, return_lse=return_lse
         )
     check_fast_backend(fn, backend, query)
     capability = device_capability(query)  # None on CPU
@@ -316,10 +335,20 @@ def sparse_region_attention(
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
         options = flex_kernel_options(head_dim, query.dtype, query.device.type, capability)
-        return flex_attend(compiled_flex(), query, key, value, block_mask, scale, options)
+        return flex_attend(
+            compiled_flex(), query, key, value, block_mask, scale, options, return_lse=return_lse
+        )
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{fn}: backend='gather' takes head_dim <= {MAX_HEAD_DIM}; got {head_dim}")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _RegionGather.apply(
-        query, key, value, block_mask.routes, block_mask.counts, region_sources, query_start, scale
+        query,
+        key,
+        value,
+        block_mask.routes,
+        block_mask.counts,
+        region_sources,
+        query_start,
+        scale,
+        return_lse,
     )

@@ -3,7 +3,7 @@ expanded, regions never expanded beyond one chunk of queries."""
 
 import torch
 
-from sa_kernels.sparse_gqa.reference import route_membership
+from sa_kernels.sparse_gqa.reference import route_membership, row_lse
 
 # Queries per chunk at most; fewer when the chunk's gathered K (or V) copy would pass
 # _CHUNK_ELEMENTS elements ([batch, groups, chunk, slots · region_size, head_dim]).
@@ -51,7 +51,9 @@ def sparse_region_attention_reference(
     query_start: int = 0,
     softmax_scale: float | None = None,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
-) -> torch.Tensor:
+    *,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention of each query row over the keys of its KV group's selected regions.
 
     Args:
@@ -67,9 +69,13 @@ def sparse_region_attention_reference(
         query_start: global row of query 0; query q sees key rows k <= query_start + q.
         softmax_scale: defaults to head_dim ** -0.5.
         query_chunk: queries gathered at once at most (bounds memory; never changes results).
+        return_lse: also return the log-sum-exp of the scaled scores.
     Returns:
         [batch, queries, heads, head_dim] in query.dtype; a row with no visible key is 0 and gets
-        zero gradients. Scores and softmax run in FP32 (float64 for float64 inputs).
+        zero gradients. Scores and softmax run in FP32 (float64 for float64 inputs). With
+        `return_lse`, `(out, lse)`: lse float32 [batch, queries, heads], the natural log of
+        `Σ exp(scale · q · k)` over the row's visible keys, −inf for a row with none, detached (no
+        gradient).
     """
     batch, queries, heads, head_dim = query.shape
     kv_length, groups = key.shape[1], key.shape[2]
@@ -80,7 +86,7 @@ def sparse_region_attention_reference(
     chunk = max(1, min(query_chunk, _CHUNK_ELEMENTS // max(1, batch * groups * width * head_dim)))
     batch_index = torch.arange(batch, device=query.device).view(batch, 1, 1, 1)
     group_index = torch.arange(groups, device=query.device).view(1, groups, 1, 1)
-    outputs = []
+    outputs, lses = [], []
     for start in range(0, queries, chunk):
         stop = min(start + chunk, queries)
         rows = torch.arange(query_start + start, query_start + stop, device=query.device)
@@ -99,4 +105,9 @@ def sparse_region_attention_reference(
         probs = weights / torch.where(total > 0, total, 1.0)
         out = torch.einsum("bgqhl,bgqld->bqghd", probs, v)
         outputs.append(out.reshape(batch, stop - start, heads, head_dim).to(query.dtype))
+        if return_lse:  # [B, G, Qc, hpg, 1] -> [B, Qc, heads]
+            lse = row_lse(peak, total).squeeze(-1).permute(0, 2, 1, 3)
+            lses.append(lse.reshape(batch, stop - start, heads))
+    if return_lse:
+        return torch.cat(outputs, dim=1), torch.cat(lses, dim=1)
     return torch.cat(outputs, dim=1)
