@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sa_cp.testing import run_on_ranks
+from sa_kernels import sparse_region_attention
 from sa_layers import Step5Attention, Step5Batch, Step5Model, testing
 from sa_layers.testing import randomise_norms, tiny_step5_config, tiny_step5_model
 from sa_routing import csa_indexer_distillation_loss
@@ -134,8 +135,14 @@ def test_layer_loss_equals_a_direct_distillation_call_on_the_layer_tensors(stage
     grads = torch.autograd.grad(loss, params)
 
     indexer = layer.indexer
-    query, key, _ = layer.project(hidden, batch)
+    query, key, value = layer.project(hidden, batch)
     keys, logits = indexer.training_keys(hidden, positions)
+    lse = None  # the sparse stage hands the loss the sparse attention's log-sum-exp
+    if stage == "sparse":
+        _, lse = sparse_region_attention(
+            query, key, value, seen[0].region_ids, metadata.region_sources,
+            softmax_scale=layer.scale, backend="reference", return_lse=True,
+        )  # fmt: skip
     total = csa_indexer_distillation_loss(
         query,
         key,
@@ -144,6 +151,7 @@ def test_layer_loss_equals_a_direct_distillation_call_on_the_layer_tensors(stage
         metadata,
         mode=stage,
         selection=seen[0] if stage == "sparse" else None,
+        lse=lse,
         reduction="sum",
     )
     direct = total / metadata.sparse_queries.sum()  # one rank: the mean over its sparse queries

@@ -26,8 +26,11 @@ class QSAAttention(nn.Module):
     `indexer_training` (set by `QSAModel.set_indexer_training`): "off" routes with the frozen
     indexer; "dense_warmup" attends densely (causal) and returns the indexer's distillation loss over
     every visible block; "sparse" attends over the routes and returns the loss over the selected
-    blocks. The loss reads the attention's query and key without gradient and the hidden states
-    detached, so it trains only the indexer.
+    blocks, its target normalised by the log-sum-exp the sparse attention returned
+    (`return_lse=True`), so the loss runs no LSE pass of its own. The warm-up's dense attention
+    is SDPA, which returns no log-sum-exp: there the loss computes it. The loss reads the
+    attention's query and key without gradient and the hidden states detached, so it trains only
+    the indexer.
     """
 
     def __init__(self, config: QSAConfig, layer_idx: int) -> None:
@@ -81,12 +84,18 @@ class QSAAttention(nn.Module):
         key = gather_sequence(key, batch.cp.group)
         value = gather_sequence(value, batch.cp.group)
         mode = "off" if self.indexer is None else self.indexer_training
-        routes = None
+        routes = lse = None
         if self.indexer is None or mode == "dense_warmup":
             out = dense_causal_attention(query, key, value, batch)
         else:
-            out, routes = self.routed_attention(hidden, query, key, value, batch)
-        aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
+            out, routes, lse = self.routed_attention(
+                hidden, query, key, value, batch, return_lse=mode == "sparse"
+            )
+        aux = (
+            None
+            if mode == "off"
+            else self.indexer_loss(hidden, query, key, batch, mode, routes, lse)
+        )
         return self.o_proj((torch.sigmoid(gate) * out).flatten(-2)), aux
 
     @torch.compiler.disable
@@ -97,19 +106,30 @@ class QSAAttention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         batch: QSABatch,
-    ) -> tuple[torch.Tensor, TokenRoutes]:
+        *,
+        return_lse: bool = False,
+    ) -> tuple[torch.Tensor, TokenRoutes, torch.Tensor | None]:
         """Route selection (`select_routes`) and `sparse_gqa_attention` over the routes → (out
-        [batch, local_length, heads, head_dim], the routes).
+        [batch, local_length, heads, head_dim], the routes, with `return_lse` the attention's
+        float32 natural log-sum-exp [batch, local_length, heads] from the same call (detached),
+        else None).
 
         Runs outside torch.compile's graph (one graph break per routed layer): the indexer's top-k,
         the replay channel, the mask build's host reads and the backend's dispatch (Triton launches,
         compiled Flex, FA4's CuTe kernels) are host logic that Dynamo cannot or should not trace.
         """
         routes = self.select_routes(hidden, batch, key.shape[1])
-        out = sparse_gqa_attention(
-            query, key, value, routes.token_ids, block_mask=routes.block_mask, backend=self.backend
+        result = sparse_gqa_attention(
+            query,
+            key,
+            value,
+            routes.token_ids,
+            block_mask=routes.block_mask,
+            backend=self.backend,
+            return_lse=return_lse,
         )
-        return out, routes
+        out, lse = result if return_lse else (result, None)
+        return out, routes, lse
 
     @torch.compiler.disable  # the distillation loss's dispatch runs eagerly, like route selection
     def indexer_loss(
@@ -120,9 +140,12 @@ class QSAAttention(nn.Module):
         batch: QSABatch,
         mode: str,
         routes: TokenRoutes | None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The indexer's KL distillation loss (`sa_routing.qsa_indexer_distillation_loss`) as this
-        shard's share of the global mean over sparse queries (`QSABatch.sparse_query_count`)."""
+        shard's share of the global mean over sparse queries (`QSABatch.sparse_query_count`).
+        `lse`: the main attention's float32 log-sum-exp [batch, local_length, heads] over the keys
+        it attended (the sparse attention's, in "sparse"), or None: the loss computes it."""
         if mode not in INDEXER_TRAINING[1:]:
             raise ValueError(
                 f"QSAAttention: indexer_training must be one of {INDEXER_TRAINING}; got {mode!r}"
@@ -141,6 +164,7 @@ class QSAAttention(nn.Module):
             sequence_lengths=cp.sequence_lengths,
             cu_seqlens=cp.cu_seqlens,
             query_start=cp.local_start,
+            lse=lse,
             reduction="sum",
         )
         return total * cp.size / max(1, batch.sparse_query_count(cfg.dense_positions))

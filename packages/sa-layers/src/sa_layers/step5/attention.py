@@ -113,9 +113,12 @@ class Step5Attention(nn.Module):
     `indexer_training` (CSA layers; set by `Step5Model.set_indexer_training`): "off" routes with the
     frozen indexer; "dense_warmup" attends densely (causal within the document) and returns the
     indexer's distillation loss over every historical region of the query's document; "sparse"
-    attends over the routes and returns the loss over the selected regions. The loss reads the
-    attention's query and key without gradient and the hidden states detached, so it trains only
-    the indexer.
+    attends over the routes and returns the loss over the selected regions. The loss's target is
+    normalised by the log-sum-exp the main attention returned in the same call where it has one
+    (the sparse attention's `return_lse=True`; in the warm-up, the dense Flex path's), so the loss
+    runs no LSE pass of its own; the warm-up's masked-SDPA path (CPU, the reference backend)
+    returns none and the loss computes it. The loss reads the attention's query and key without
+    gradient and the hidden states detached, so it trains only the indexer.
 
     Args:
         config: the model's `Step5Config`.
@@ -221,16 +224,24 @@ class Step5Attention(nn.Module):
         self._check(hidden, batch)
         query, key, value = self.project(hidden, batch)
         mode = "off" if self.indexer is None else self.indexer_training
-        routes = None
+        routes = lse = None
         if self.layer_type == "swa":
             out = self.window_attention(query, key, value, batch)
         else:
             key, value = self._gather_kv(key, value, batch)
-            if self.layer_type == "dense" or mode == "dense_warmup":
+            if mode == "dense_warmup":
+                out, lse = self.causal_attention_and_lse(query, key, value, batch)
+            elif self.layer_type == "dense":
                 out = self.causal_attention(query, key, value, batch)
             else:
-                out, routes = self.routed_attention(hidden, query, key, value, batch)
-        aux = None if mode == "off" else self.indexer_loss(hidden, query, key, batch, mode, routes)
+                out, routes, lse = self.routed_attention(
+                    hidden, query, key, value, batch, return_lse=mode == "sparse"
+                )
+        aux = (
+            None
+            if mode == "off"
+            else self.indexer_loss(hidden, query, key, batch, mode, routes, lse)
+        )
         gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)  # [B, L, heads, 1]
         return self.o_proj((out * gate).flatten(-2)), aux
 
@@ -298,25 +309,41 @@ class Step5Attention(nn.Module):
             scale=self.scale,
         )
 
+    def causal_attention_and_lse(
+        self, query, key, value, batch: Step5Batch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`causal_attention` and its log-sum-exp from the same call, for the indexer's warm-up →
+        (out [B, L, heads, D], lse). lse: on the Flex path (the batch's "dense" mask, CUDA),
+        Flex's float32 natural log-sum-exp [B, L, heads] (detached; −inf on padding rows); None
+        on the masked-SDPA path, which returns none (SDPA has no portable LSE output)."""
+        mask = batch.flex_masks.get("dense")
+        if mask is not None:
+            return _flex(query, key, value, mask, self.scale, return_lse=True)
+        return self.causal_attention(query, key, value, batch), None
+
     @torch.compiler.disable
     def routed_attention(
-        self, hidden, query, key, value, batch: Step5Batch
-    ) -> tuple[torch.Tensor, RegionRoutes]:
+        self, hidden, query, key, value, batch: Step5Batch, *, return_lse: bool = False
+    ) -> tuple[torch.Tensor, RegionRoutes, torch.Tensor | None]:
         """Region selection (`select_routes`) and `sparse_attention` over it → (out [B, L, heads,
-        D], the routes).
+        D], the routes, with `return_lse` the attention's float32 natural log-sum-exp [B, L,
+        heads] from the same call (detached), else None).
 
         Runs outside torch.compile's graph (one graph break per CSA layer): the indexer's top-k,
         the replay channel, the block-mask build and the backend's dispatch (Triton launches,
         compiled Flex) are host logic that Dynamo cannot or should not trace.
         """
         routes = self.select_routes(hidden, batch, key.shape[1])
-        return self.sparse_attention(query, key, value, routes, batch), routes
+        result = self.sparse_attention(query, key, value, routes, batch, return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
+        return out, routes, lse
 
     def sparse_attention(
-        self, query, key, value, routes: RegionRoutes, batch: Step5Batch
-    ) -> torch.Tensor:
+        self, query, key, value, routes: RegionRoutes, batch: Step5Batch, *, return_lse=False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Each query over the causally visible keys of its KV group's selected regions; key, value:
-        [B, S, G, D] global (all-gathered under CP)."""
+        [B, S, G, D] global (all-gathered under CP); with `return_lse`, `(out, lse)` as
+        `sparse_region_attention` returns them."""
         return sparse_region_attention(
             query,
             key,
@@ -327,6 +354,7 @@ class Step5Attention(nn.Module):
             softmax_scale=self.scale,
             backend=self.backend,
             block_mask=routes.block_mask,
+            return_lse=return_lse,
         )
 
     @torch.compiler.disable  # the distillation loss's dispatch runs eagerly, like route selection
@@ -338,6 +366,7 @@ class Step5Attention(nn.Module):
         batch: Step5Batch,
         mode: str,
         routes: RegionRoutes | None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The indexer's KL distillation loss (`sa_routing.csa_indexer_distillation_loss`) as this
         shard's share of the global mean over sparse queries: `cp.size · Σ_local / N_global`, with
@@ -348,6 +377,8 @@ class Step5Attention(nn.Module):
                 `training_*` projections).
             query: [B, L, heads, D], the attention's query; key: [B, S, G, D] its global keys.
             mode: "dense_warmup" or "sparse"; routes: the call's `RegionRoutes` in "sparse".
+            lse: the main attention's float32 log-sum-exp [B, L, heads] over the keys it attended,
+                from its forward, or None: the loss computes it.
         Returns:
             float32 scalar; gradients reach only the indexer's parameters.
         """
@@ -368,6 +399,7 @@ class Step5Attention(nn.Module):
             mode=mode,
             selection=None if routes is None else routes.selection,
             softmax_scale=self.scale,
+            lse=lse,
             reduction="sum",
         )
         return total * batch.cp.size / batch.sparse_query_count.clamp(min=1)
@@ -497,14 +529,31 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(query, key, value, block_mask, scale: float) -> torch.Tensor:
+def _flex(
+    query, key, value, block_mask, scale: float, *, return_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Compiled FlexAttention over a block mask of the batch, in our [B, tokens, heads, D] layout
     (rows with no visible key give 0). Inside a torch.compile'd model the plain `flex_attention`
-    is traced into the model's graph (Inductor compiles it) instead of nesting a compile."""
+    is traced into the model's graph (Inductor compiles it) instead of nesting a compile. With
+    `return_lse`, `(out, lse)`: lse float32 [B, tokens, heads], Flex's natural log-sum-exp
+    (`return_aux=AuxRequest(lse=True)`), detached, −inf on a row with no visible key."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as attention
     else:
         attention = _compiled_flex()
+    if return_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=True,
+            return_aux=AuxRequest(lse=True),
+        )
+        return out.transpose(1, 2), aux.lse.detach().float().transpose(1, 2).contiguous()
     out = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
