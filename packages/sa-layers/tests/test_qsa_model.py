@@ -1,16 +1,19 @@
 """QSA attention, decoder layer and model against plain references (CPU; Triton interpreted)."""
 
 import copy
-import functools
-import io
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    create_selective_checkpoint_contexts,
+from model_checks import (
+    assert_compiled_equals_eager,
+    assert_learns_and_round_trips,
+    assert_shards_equal_single_rank,
+    checkpointed_step,
+    masked_attention64,
+    rms_norm64,
+    shard_result,
 )
 
 from sa_cp import ContextParallelLayout
@@ -48,9 +51,7 @@ def reference_attention(layer: QSAAttention, hidden: torch.Tensor, batch: QSABat
     q, gate = qg[..., :d], qg[..., d:]
 
     def norm(t, w):
-        return (
-            t * torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + w.double())
-        )
+        return rms_norm64(t, w, cfg.rms_norm_eps)
 
     freqs = batch.freqs.double().expand(b, -1, -1)
     q = apply_qsa_rope(norm(q, layer.q_norm.weight), freqs)
@@ -70,9 +71,7 @@ def reference_attention(layer: QSAAttention, hidden: torch.Tensor, batch: QSABat
             for row in range(s):
                 valid = ids[bi, row][ids[bi, row] >= 0].long()
                 mask[bi, row, valid] = True
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    out = masked_attention64(q, k, v, mask[:, None])
     return (torch.sigmoid(gate) * out).flatten(-2) @ layer.o_proj.weight.double().T
 
 
@@ -175,31 +174,9 @@ def test_packed_documents_equal_each_document_alone_and_routes_stay_in_their_doc
 # -- replay under activation checkpointing ---------------------------------------------------------
 
 
-def _recompute_everything_but_matmuls(ctx, op, *args, **kwargs):
-    return (
-        CheckpointPolicy.MUST_SAVE
-        if op == torch.ops.aten.mm.default
-        else CheckpointPolicy.PREFER_RECOMPUTE
-    )
-
-
 def train_step(mode: str, reuse: bool = True):
     model = tiny_model(reuse_routes_on_recompute=reuse)
-    calls = [0]
-    for indexer in model.indexers():
-        indexer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    if mode == "full":
-        model.enable_activation_checkpointing()
-    elif mode == "selective":
-        model.enable_activation_checkpointing(
-            functools.partial(
-                create_selective_checkpoint_contexts, _recompute_everything_but_matmuls
-            )
-        )
-    ids = token_ids()
-    loss = model(ids, labels=token_ids(seed=7)).loss
-    loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad], calls[0]
+    return checkpointed_step(model, mode, lambda m: m(token_ids(), labels=token_ids(seed=7)).loss)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -250,27 +227,14 @@ def test_compiled_model_forward_and_backward_equal_eager():
     """torch.compile (aot_eager: Dynamo and AOTAutograd, no Inductor) over a padded batch through a
     routed and a dense layer, the indexer's loss on: route selection and sparse attention run
     outside the graph, everything else inside; every gradient equals eager's."""
-    torch._dynamo.reset()
     model = tiny_model(layer_types=("qsa", "dense"))
     model.set_indexer_training("sparse")
     mask = torch.ones(2, SEQUENCE, dtype=torch.long)
     mask[1, 31:] = 0
     labels = token_ids(seed=7)
-    results = []
-    for run in (model, torch.compile(model, backend="aot_eager")):
-        model.zero_grad(set_to_none=True)
-        out = run(token_ids(), attention_mask=mask, labels=labels)
-        total = out.loss if out.indexer_loss is None else out.loss + out.indexer_loss
-        total.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((out.logits.detach(), total.detach(), grads))
-    (logits, loss, grads), (c_logits, c_loss, c_grads) = results
-    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
-    assert c_grads.keys() == grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        assert grad.abs().max() > 0, name
-        torch.testing.assert_close(c_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_compiled_equals_eager(
+        model, lambda run: run(token_ids(), attention_mask=mask, labels=labels)
+    )
 
 
 # -- context parallelism on gloo ranks -------------------------------------------------------------
@@ -282,9 +246,7 @@ def _sharded(rank, world_size, model, ids, labels, bounds):
     rows = slice(rank * local, (rank + 1) * local)
     seen = capture_routes(model.layers[0].self_attn)
     out = model(ids[:, rows], labels=labels[:, rows], cp_context=cp)
-    out.loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-    return out.logits.detach(), out.loss.detach(), grads, seen[0]
+    return shard_result(model, out, seen[0])
 
 
 @pytest.mark.parametrize(
@@ -303,17 +265,7 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, packed)
     results = run_on_ranks(
         world_size, _sharded, tiny_model(layer_types=("qsa", "dense")), ids, labels, bounds
     )
-    local = SEQUENCE // world_size
-    for rank, (logits, _, _, routes) in enumerate(results):
-        rows = slice(rank * local, (rank + 1) * local)
-        torch.testing.assert_close(logits, expected.logits[:, rows].detach(), rtol=1e-5, atol=1e-5)
-        assert torch.equal(routes, seen[0][:, rows])
-    # the CP loss's scaling makes the group average the global mean (loss and gradients)
-    torch.testing.assert_close(sum(r[1] for r in results) / world_size, expected.loss.detach())
-    for i, ref in enumerate(ref_grads):
-        torch.testing.assert_close(
-            sum(r[2][i] for r in results) / world_size, ref, rtol=1e-5, atol=1e-6
-        )
+    assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=1)
 
 
 # -- training and checkpoints ------------------------------------------------------------------------
@@ -321,25 +273,8 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, packed)
 
 def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
     model = tiny_model()
-    ids = token_ids(4, 24, seed=9)
-    labels = torch.roll(ids, -1, dims=1)  # learn to predict the next token of fixed sequences
-    labels[:, -1] = -100
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = model(ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
     assert any(k.endswith("indexer.qk_proj.weight") for k in model.state_dict())
-    fresh = tiny_model(seed=123)
-    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
-    assert torch.equal(fresh(ids).logits, model(ids).logits)
-    assert all(not p.requires_grad for ix in fresh.indexers() for p in ix.parameters())
+    assert_learns_and_round_trips(model, token_ids(4, 24, seed=9), lambda: tiny_model(seed=123))
 
 
 def test_bf16_model_keeps_fp32_norm_weights_and_runs():

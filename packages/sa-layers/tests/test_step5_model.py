@@ -1,13 +1,19 @@
 """Step-5 attention (SWA, CSA, dense), decoder layer and model against plain references (CPU)."""
 
 import copy
-import functools
-import io
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from model_checks import (
+    assert_compiled_equals_eager,
+    assert_learns_and_round_trips,
+    assert_shards_equal_single_rank,
+    checkpointed_step,
+    masked_attention64,
+    rms_norm64,
+    shard_result,
+)
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
@@ -94,8 +100,7 @@ def reference_attention(layer: Step5Attention, hidden, positions, padding, regio
     qkv = (x @ layer.qkv_proj.weight.double().T).view(b, s, groups, hpg + 2, dim)
 
     def norm(t, w):
-        rms = torch.rsqrt(t.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-        return t * rms * (1 + w.double())
+        return rms_norm64(t, w, cfg.rms_norm_eps)
 
     theta, rotary = layer.rotary_key
     half = rotary // 2
@@ -110,9 +115,7 @@ def reference_attention(layer: Step5Attention, hidden, positions, padding, regio
     k = rope(norm(qkv[..., hpg, :], layer.k_norm.weight)).repeat_interleave(hpg, dim=2)
     v = qkv[..., hpg + 1, :].repeat_interleave(hpg, dim=2)
     mask = reference_mask(layer, positions, padding, region_ids).repeat_interleave(hpg, dim=1)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * dim**-0.5
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    out = masked_attention64(q, k, v, mask)
     gate = torch.sigmoid(x @ layer.g_proj.weight.double().T)[..., None]
     return (out * gate).flatten(-2) @ layer.o_proj.weight.double().T
 
@@ -297,14 +300,6 @@ def test_bf16_model_keeps_fp32_norms_router_and_indexer_weights_and_runs():
 # -- replay under activation checkpointing ---------------------------------------------------------
 
 
-def _recompute_everything_but_matmuls(ctx, op, *args, **kwargs):
-    return (
-        CheckpointPolicy.MUST_SAVE
-        if op == torch.ops.aten.mm.default
-        else CheckpointPolicy.PREFER_RECOMPUTE
-    )
-
-
 def train_step(mode: str, reuse: bool = True):
     model = tiny_model(
         reuse_routes_on_recompute=reuse,
@@ -313,21 +308,10 @@ def train_step(mode: str, reuse: bool = True):
         num_experts=4,
         moe_intermediate_size=16,
     )
-    calls = [0]
-    for indexer in model.indexers():
-        indexer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    if mode == "full":
-        model.enable_activation_checkpointing()
-    elif mode == "selective":
-        model.enable_activation_checkpointing(
-            functools.partial(
-                create_selective_checkpoint_contexts, _recompute_everything_but_matmuls
-            )
-        )
     positions, padding = packed_positions(DOCUMENTS)
-    loss = model(token_ids(), positions, padding, labels=token_ids(seed=7)).loss
-    loss.backward()
-    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad], calls[0]
+    return checkpointed_step(
+        model, mode, lambda m: m(token_ids(), positions, padding, labels=token_ids(seed=7)).loss
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -349,26 +333,13 @@ def test_compiled_model_forward_and_backward_equal_eager():
     """torch.compile (aot_eager: Dynamo and AOTAutograd, no Inductor) over packed, padded rows
     through SWA, dense and CSA layers, the indexer's loss on: region selection and sparse
     attention run outside the graph; every gradient equals eager's."""
-    torch._dynamo.reset()
     model = tiny_model(layer_types=("swa", "dense", "swa", "csa"))
     model.set_indexer_training("sparse")
     positions, padding = packed_positions(DOCUMENTS)
     labels = token_ids(seed=7)
-    results = []
-    for run in (model, torch.compile(model, backend="aot_eager")):
-        model.zero_grad(set_to_none=True)
-        out = run(token_ids(), positions, padding, labels=labels)
-        total = out.loss + out.indexer_loss
-        total.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((out.logits.detach(), total.detach(), grads))
-    (logits, loss, grads), (c_logits, c_loss, c_grads) = results
-    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
-    assert c_grads.keys() == grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        assert grad.abs().max() > 0, name
-        torch.testing.assert_close(c_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_compiled_equals_eager(
+        model, lambda run: run(token_ids(), positions, padding, labels=labels)
+    )
 
 
 # -- context parallelism on gloo ranks -------------------------------------------------------------
@@ -385,9 +356,7 @@ def _sharded(rank, world_size, model, ids, positions, padding, labels):
         labels[:, rows],
         cp_group=dist.group.WORLD,
     )
-    out.loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-    return out.logits.detach(), out.loss.detach(), grads, seen[0]
+    return shard_result(model, out, seen[0])
 
 
 @pytest.mark.parametrize(
@@ -405,15 +374,7 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, window)
     ref_grads = [p.grad for p in model.parameters() if p.requires_grad]
     fresh = tiny_model(sliding_window=window, layer_types=("swa", "dense", "swa", "csa"))
     results = run_on_ranks(world_size, _sharded, fresh, ids, positions, padding, labels)
-    local = SEQUENCE // world_size
-    for rank, (logits, _, _, ids_rank) in enumerate(results):
-        rows = slice(rank * local, (rank + 1) * local)
-        torch.testing.assert_close(logits, expected.logits[:, rows].detach(), rtol=1e-5, atol=1e-5)
-        assert torch.equal(ids_rank, seen[0][:, :, rows])
-    torch.testing.assert_close(sum(r[1] for r in results) / world_size, expected.loss.detach())
-    for i, ref in enumerate(ref_grads):
-        total = sum(r[2][i] for r in results) / world_size
-        torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-6)
+    assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=2)
 
 
 # -- training and checkpoints ------------------------------------------------------------------------
@@ -422,25 +383,12 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, window)
 def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
     model = tiny_model(moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
     assert model.config.layer_types == ("swa", "swa", "swa", "csa")
-    ids = token_ids(2, SEQUENCE, seed=9)
-    labels = torch.roll(ids, -1, dims=1)  # learn to predict the next token of fixed sequences
-    labels[:, -1] = -100
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(30):
-        loss = model(ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
     assert any(k.endswith("indexer.q_proj.weight") for k in model.state_dict())
-    fresh = tiny_model(seed=123, moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
-    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
-    assert torch.equal(fresh(ids).logits, model(ids).logits)
-    assert all(not p.requires_grad for ix in fresh.indexers() for p in ix.parameters())
+    assert_learns_and_round_trips(
+        model,
+        token_ids(2, SEQUENCE, seed=9),
+        lambda: tiny_model(seed=123, moe_layers=(1,), num_experts=4, moe_intermediate_size=16),
+    )
 
 
 # -- errors at the boundary ------------------------------------------------------------------------

@@ -1,0 +1,7 @@
+"""Puts this folder on `sys.path`, so that the tests import their helper module (`model_checks`:
+test support, not part of the package) by name."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
