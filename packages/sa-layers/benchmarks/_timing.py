@@ -1,4 +1,5 @@
-"""Timing and peak memory of one call, shared by the sa-layers benchmark scripts.
+"""Timing and peak memory of one call, and the record rows that compare two timings, shared by the
+sa-layers benchmark scripts.
 
 GPU calls are timed with CUDA events around each call (the device synchronised before and after),
 CPU calls with a host timer; the calls these scripts time last milliseconds to seconds, so a handful
@@ -76,3 +77,30 @@ def gib(value: float | None) -> str:
 def log(message: str, started: float) -> None:
     """`message` on stderr after the seconds since `started` (a `time.perf_counter()`)."""
     print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def record_row(
+    *, what: str, shape: str, time_ms: float, baseline: str, baseline_ms: float, **rest
+) -> dict:
+    """A record row (`tools/bench_records.py`) of `time_ms` against `baseline_ms` measured in the
+    same run: times rounded to µs, `ratio` = baseline_ms / time_ms to two decimals (> 1: faster
+    than the baseline), then `rest` (throughput, goal, status ...) as given."""
+    return dict(
+        what=what,
+        shape=shape,
+        time_ms=round(time_ms, 3),
+        baseline=baseline,
+        baseline_ms=round(baseline_ms, 3),
+        ratio=round(baseline_ms / time_ms, 2),
+        **rest,
+    )
+
+
+def tokens_per_s(tokens: int, ms: float, baseline_ms: float) -> str:
+    """The throughput of `tokens` in `ms` against that in `baseline_ms`: "1,234 tok/s vs 567"."""
+    return f"{tokens / ms * 1e3:,.0f} tok/s vs {tokens / baseline_ms * 1e3:,.0f}"
+
+
+def share_of_layer(part_ms: float, layer_ms: float) -> str:
+    """`part_ms` as a percentage of `layer_ms`, e.g. "4.2 % of the layer"."""
+    return f"{100 * part_ms / layer_ms:.1f} % of the layer"

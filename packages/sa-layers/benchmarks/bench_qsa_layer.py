@@ -20,7 +20,7 @@ import argparse
 import json
 
 import torch
-from _timing import median_ms, peak_gib
+from _timing import gib, median_ms, peak_gib, record_row, share_of_layer, tokens_per_s
 
 from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
 from sa_layers.routes import token_routes
@@ -73,27 +73,25 @@ def layer_rows(length: int) -> list[dict]:
     ratio = t_dense / t_sparse
     goal = GOALS.get(length)
     rows = [
-        dict(
+        record_row(
             what="QSA layer fwd+bwd (indexer and route mask included)",
             shape=shape,
-            time_ms=round(t_sparse, 3),
+            time_ms=t_sparse,
             baseline="same layer with dense causal SDPA",
-            baseline_ms=round(t_dense, 3),
-            ratio=round(ratio, 2),
-            throughput=f"peak {m_sparse:.2f} GiB vs dense {m_dense:.2f} GiB",
+            baseline_ms=t_dense,
+            throughput=f"peak {gib(m_sparse)} vs dense {gib(m_dense)}",
             goal=None if goal is None else f"≥ {goal}× dense; peak ≤ dense",
             status=None
             if goal is None
             else ("met" if ratio >= goal and m_sparse <= m_dense else "not met"),
         ),
-        dict(
+        record_row(
             what="QSA route preparation (indexer + route mask)",
             shape=shape,
-            time_ms=round(t_prep, 3),
+            time_ms=t_prep,
             baseline="the QSA layer fwd+bwd",
-            baseline_ms=round(t_sparse, 3),
-            ratio=round(t_sparse / t_prep, 2),
-            throughput=f"{100 * t_prep / t_sparse:.1f} % of the layer",
+            baseline_ms=t_sparse,
+            throughput=share_of_layer(t_prep, t_sparse),
             goal="≤ 10 % of the layer" if length == 65536 else None,
             status=("met" if t_prep <= 0.1 * t_sparse else "not met") if length == 65536 else None,
         ),
@@ -117,15 +115,14 @@ def model_rows(length: int) -> list[dict]:
         peaks[kind] = peak_gib(step)
         del model
         torch.cuda.empty_cache()
-    row = dict(
+    row = record_row(
         what="4-layer QSAModel fwd+bwd",
         shape=f"1 × {length} tokens, vocab {VOCAB}, bf16",
-        time_ms=round(times["qsa"], 3),
+        time_ms=times["qsa"],
         baseline="same model, every layer dense causal SDPA",
-        baseline_ms=round(times["dense"], 3),
-        ratio=round(times["dense"] / times["qsa"], 2),
+        baseline_ms=times["dense"],
         throughput=(
-            f"{length / times['qsa'] * 1e3:,.0f} tok/s vs {length / times['dense'] * 1e3:,.0f}; "
+            f"{tokens_per_s(length, times['qsa'], times['dense'])}; "
             f"peak {peaks['qsa']:.1f} vs {peaks['dense']:.1f} GiB"
         ),
     )

@@ -34,7 +34,7 @@ import json
 import time
 
 import torch
-from _timing import gib, log, median_ms, peak_gib
+from _timing import gib, log, median_ms, peak_gib, record_row, share_of_layer, tokens_per_s
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -194,25 +194,23 @@ def csa_rows(setup: Setup, length: int) -> list[dict]:
     ratio = t_dense / t_sparse
     goal = CSA_GOALS.get(length) if setup.device == "cuda" else None
     return [
-        dict(
+        record_row(
             what="Step-5 CSA layer fwd+bwd (indexer and region mask included)",
             shape=shape,
-            time_ms=round(t_sparse, 3),
+            time_ms=t_sparse,
             baseline="same layer with dense causal SDPA",
-            baseline_ms=round(t_dense, 3),
-            ratio=round(ratio, 2),
+            baseline_ms=t_dense,
             throughput=f"peak {gib(m_sparse)} vs dense {gib(m_dense)}",
             goal=None if goal is None else f"≥ {goal}× dense",
             status=None if goal is None else ("met" if ratio >= goal else "not met"),
         ),
-        dict(
+        record_row(
             what="Step-5 CSA route preparation (indexer selection + region mask)",
             shape=shape,
-            time_ms=round(t_prep, 3),
+            time_ms=t_prep,
             baseline="the CSA layer fwd+bwd",
-            baseline_ms=round(t_sparse, 3),
-            ratio=round(t_sparse / t_prep, 2),
-            throughput=f"{100 * t_prep / t_sparse:.1f} % of the layer",
+            baseline_ms=t_sparse,
+            throughput=share_of_layer(t_prep, t_sparse),
         ),
     ]
 
@@ -267,23 +265,21 @@ def swa_rows(setup: Setup, length: int) -> list[dict]:
     ratio = t_flex / t_ours
     goal = setup.device == "cuda" and length == SWA_LENGTH
     return [
-        dict(
+        record_row(
             what="Step-5 SWA attention fwd+bwd (window and document mask)",
             shape=shape,
-            time_ms=round(t_ours, 3),
+            time_ms=t_ours,
             baseline="FlexAttention, its own sliding-window block mask",
-            baseline_ms=round(t_flex, 3),
-            ratio=round(ratio, 2),
+            baseline_ms=t_flex,
             goal="≥ 0.9× Flex's sliding window" if goal else None,
             status=("met" if ratio >= 0.9 else "not met") if goal else None,
         ),
-        dict(
+        record_row(
             what="Step-5 SWA layer fwd+bwd",
             shape=shape,
-            time_ms=round(t_layer, 3),
+            time_ms=t_layer,
             baseline="same layer on Flex's own sliding-window block mask",
-            baseline_ms=round(t_layer_flex, 3),
-            ratio=round(t_layer_flex / t_layer, 2),
+            baseline_ms=t_layer_flex,
         ),
     ]
 
@@ -344,15 +340,14 @@ def model_rows(setup: Setup, length: int) -> list[dict]:
                 raise
         free_memory()  # outside the handler: the failed call's frames are gone
     ckpt = ", activation checkpointing" if checkpointing else ""
-    row = dict(
+    row = record_row(
         what="4-layer Step5Model fwd+bwd (SWA, SWA, SWA, CSA)",
         shape=f"1 × {length} tokens, vocab {setup.vocab}, {setup.geometry(setup.model_hidden)}{ckpt}",
-        time_ms=round(times["csa"], 3),
+        time_ms=times["csa"],
         baseline="same model, the CSA layer dense causal SDPA",
-        baseline_ms=round(times["dense"], 3),
-        ratio=round(times["dense"] / times["csa"], 2),
+        baseline_ms=times["dense"],
         throughput=(
-            f"{length / times['csa'] * 1e3:,.0f} tok/s vs {length / times['dense'] * 1e3:,.0f}; "
+            f"{tokens_per_s(length, times['csa'], times['dense'])}; "
             f"peak {gib(peaks['csa'])} vs {gib(peaks['dense'])}"
         ),
     )
