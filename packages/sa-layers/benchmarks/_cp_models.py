@@ -4,8 +4,9 @@ and QSA models at each size, one-row global batches (plain or packed) and one mo
 contiguous sequence shard.
 
 Sizes:
-    tiny   CPU checks: hidden 32, 4 heads / 2 KV groups, head_dim 16; Step-5 window 8, region 4,
-           top-2; QSA budget 8, compress ratio 2; FP32, the "reference" attention backend.
+    tiny   CPU checks: `sa_layers.testing`'s tiny models with 4 layers, 4 heads and vocab 64
+           (hidden 32, 2 KV groups, head_dim 16; Step-5 window 8, region 4, top-2; QSA budget 8,
+           compress ratio 2; FP32, the "reference" attention backend).
     small  GPU parity: hidden 1024, 16 heads / 2 KV groups, head_dim 128; Step-5 window 512,
            region 8, top-64; QSA indexer 4 × 64, budget 1024, ratio 4; vocab 8192.
     bench  the geometries of bench_step5_layer.py's and bench_qsa_layer.py's model rows (Step-5
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sa_layers import CausalLMOutput, QSAConfig, QSAModel, Step5Config, Step5Model
+from sa_layers.testing import randomise_norms, tiny_qsa_config, tiny_step5_config
 from sa_routing import QSAContextParallel, Step5SparseConfig
 
 KINDS = ("step5", "qsa")
@@ -80,31 +82,8 @@ def all_ranks_max(
 
 def step5_config(size: str) -> Step5Config:
     if size == "tiny":
-        return Step5Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_attention_groups=2,
-            head_dim=16,
-            sliding_window=8,
-            layer_types=STEP5_LAYERS,
-            rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
-            partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
-            swiglu_limits=(0.0, 2.0, 0.0, 1.5),
-            sparse_config=Step5SparseConfig(
-                proxy_dim=16,
-                index_heads=4,
-                num_provider_groups=2,
-                rope_dim=8,
-                region_size=4,
-                topk=2,
-                hidden_size=32,
-            ),
-            attn_backend="reference",
-            initializer_range=0.2,
-        )
+        # the tests' tiny Step-5 model with 4 heads and vocab 64
+        return tiny_step5_config(vocab_size=64, num_attention_heads=4, layer_types=STEP5_LAYERS)
     if size == "small":
         return Step5Config(
             vocab_size=8192,
@@ -139,22 +118,8 @@ def step5_config(size: str) -> Step5Config:
 
 def qsa_config(size: str) -> QSAConfig:
     if size == "tiny":
-        return QSAConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            partial_rotary_factor=0.5,
-            indexer_n_heads=2,
-            indexer_head_dim=16,
-            indexer_budget=8,
-            indexer_compress_ratio=2,
-            attn_backend="reference",
-            initializer_range=0.2,
-        )
+        # the tests' tiny QSA model with 4 layers and vocab 64
+        return tiny_qsa_config(vocab_size=64, num_hidden_layers=4)
     if size == "small":
         return QSAConfig(
             vocab_size=8192,
@@ -214,12 +179,7 @@ def build(
     torch.manual_seed(seed)
     cfg = config(kind, size)
     model = Step5Model(cfg) if kind == "step5" else QSAModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "indexer" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-            elif "norm" in name and "indexer" not in name:
-                p.uniform_(-0.5, 0.5)
+    randomise_norms(model)
     return model.to(device=device, dtype=dtype)
 
 

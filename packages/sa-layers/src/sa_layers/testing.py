@@ -19,25 +19,29 @@ from .step5 import Step5Config, Step5Model
 
 VOCAB = 50
 HIDDEN = 32
+# the fields both tiny configs share
+_SHARED = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=48,
+    head_dim=16,
+    attn_backend="reference",
+    initializer_range=0.2,
+)
 
 
 def tiny_qsa_config(**overrides) -> QSAConfig:
     """The tiny `QSAConfig`; `overrides` replace any of its fields."""
     fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
+        _SHARED,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         partial_rotary_factor=0.5,
         indexer_n_heads=2,
         indexer_head_dim=16,
         indexer_budget=8,
         indexer_compress_ratio=2,
-        attn_backend="reference",
-        initializer_range=0.2,
     )
     fields.update(overrides)
     return QSAConfig(**fields)
@@ -47,13 +51,10 @@ def tiny_step5_config(*, sparse: dict | None = None, **overrides) -> Step5Config
     """The tiny `Step5Config`; `overrides` replace any of its fields, `sparse` any field of its
     `Step5SparseConfig` (whose hidden size stays 32 whatever `hidden_size` says)."""
     fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
+        _SHARED,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_attention_groups=2,
-        head_dim=16,
         sliding_window=8,
         rope_theta=(10000.0, 500.0, 10000.0, 1000.0),
         partial_rotary_factor=(0.5, 1.0, 0.5, 0.25),
@@ -68,8 +69,6 @@ def tiny_step5_config(*, sparse: dict | None = None, **overrides) -> Step5Config
             hidden_size=HIDDEN,
             **(sparse or {}),
         ),
-        attn_backend="reference",
-        initializer_range=0.2,
     )
     fields.update(overrides)
     return Step5Config(**fields)
