@@ -149,8 +149,9 @@ def test_dense_kernels_equal_explicit_softmax_mass_per_unit(dtype, heads, kv_hea
 @pytest.mark.parametrize("compute_lse", [True, False], ids=["lse-computed", "lse-given"])
 def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the_lse(compute_lse):
     """Each (query, group) selects units with repeats and invalid ids (-1 and the unit count): the
-    kernel's LSE runs over the distinct valid units' visible keys plus the rows from the suffix start
-    to the query; each first occurrence gets its unit's mass, repeats and invalid ids get 0."""
+    kernel's LSE runs over the distinct valid units' visible keys plus the suffix table's rows (the
+    suffix start up to the query); each first occurrence gets its unit's mass, repeats and invalid
+    ids get 0."""
     heads, kv_heads, groups, dim, total, scale = 6, 2, 2, 20, 40, 0.35
     g = _generator(7)
     query = torch.randn(total, heads, dim, generator=g)
@@ -160,6 +161,8 @@ def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the
     units = total // c
     unit_rows = torch.arange(total, dtype=torch.int32).view(units, c)
     suffix = torch.arange(total) // c * c  # the query's own (partial) unit is its suffix
+    tail = suffix[:, None] + torch.arange(c)
+    suffix_rows = torch.where(tail <= torch.arange(total)[:, None], tail, -1).int()
     k = 6
     ids = torch.randint(-1, units + 1, (groups, total, k), generator=g)
     ids[:, :, 1] = ids[:, :, 0]  # a repeat in every row
@@ -188,6 +191,7 @@ def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the
         docs,
         docs,
         suffix,
+        suffix_rows,
         ordered,
         rows=(q0, q1),
         query_start=0,

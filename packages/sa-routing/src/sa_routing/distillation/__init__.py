@@ -24,26 +24,39 @@ The main attention's query and key are read under `no_grad` (detached), so the l
 indexer in both modes; the indexer tensors come from its `training_*` methods (FP32, no checkpoint
 roundings), which detach their hidden-state input by default.
 
-Memory and cost: tiles of `query_block` queries against streamed blocks of `key_block` keys. The
-largest temporaries are one FP32 `[heads, query_block, key_block]` score block (128 MiB at 64 heads
-and the defaults) and a few FP32 `[groups, query_block, tile units]` unit rows (tile units: the
-blocks / regions its queries can see). The gradients of the indexer tensors are computed in the
-forward, tile by tile (the loss is their only consumer), and scaled by the incoming gradient in the
-backward: the autograd graph holds gradients the size of the indexer tensors, nothing per (query,
-key). Double backward is not supported. The target costs two FP32 passes of `Q · Kᵀ` over the causal
-keys of the sparse queries (one when `lse` is given); the matmuls follow
-`torch.backends.cuda.matmul.allow_tf32`.
-
-Backends (`backend=`): on CUDA the target comes from Triton kernels (`triton_kernels`): one LSE pass
+Dense warm-up (`blockwise`): tiles of `query_block` queries against streamed blocks of `key_block`
+keys. The largest temporaries are one FP32 `[heads, query_block, key_block]` score block (128 MiB at
+64 heads and the defaults) and a few FP32 `[groups, query_block, tile units]` unit rows (tile units:
+the blocks / regions its queries can see). The target costs two FP32 passes of `Q · Kᵀ` over the
+causal keys of the sparse queries (one when `lse` is given); the matmuls follow
+`torch.backends.cuda.matmul.allow_tf32`. On CUDA the target comes from Triton kernels: one LSE pass
 over the visible keys of every query (skipped when `lse` is given), then per tile one pass over the
-keys of the candidate units that sums `exp(s − lse)` over each group's heads and each unit's keys
-in registers ("dense_warmup"), or per (query, group) a gather of the selected units' keys with
-repeats counted once ("sparse", whose LSE pass also covers the suffix keys). On CUDA the automatic
-tiles merge up to 32M FP32 target elements (128 MiB), so a few large launches replace many small
-ones. On CPU the blockwise PyTorch loop runs; it is the path the float64 oracle checks, and the
-Triton path is checked against both under Triton's interpreter. The target is a constant of the
-loss in either case (computed under `no_grad` from detached inputs): no gradient reaches the main
-attention, and the kernels have no backward.
+keys of the candidate units that sums `exp(s − lse)` over each group's heads and each unit's keys in
+registers; the automatic tiles merge up to 32M FP32 target elements (128 MiB).
+
+Sparse stage (`slots`): everything lives in the slot layout `[groups, queries, K]` of the selection
+(QSA: the route's `token_budget // c` blocks; CSA: the `topk + 1` region ids, the current region
+dropped), sorted per row so that a repeated unit counts once; no tensor is indexed by all units. Per
+(query, group, slot) the target is the attention mass `Σ_{h in group} Σ_{keys of the unit visible to
+the query} exp(scale · q_h · k − lse_h)`, L1-normalised over the query's slots, with `lse` over exactly
+the keys the sparse attention attends (the distinct selected units' visible keys and the suffix: the
+QSA tail, the CSA current region's tokens up to the query). On CUDA one Triton program per (query,
+group) reads the slots' keys through the unit table (a second pass first when `lse` is not given); on
+CPU the PyTorch path gathers them per (group, KV head). The indexer logits are computed for the
+selected units only, from the unit keys / summaries gathered per slot; softmax, KL and gradients run
+over the valid slots. Tiles of query rows keep the largest gathered tensor (`[G, rows, K, index_dim]`
+unit keys; on the PyTorch path also `[rows, K · unit size, head_dim]` main keys) within 64M elements
+(256 MiB FP32) or one query row. Cost: the target reads `Q · K · unit size` keys per KV head of a
+group — the key traffic and `Q · Kᵀ` FLOPs of the sparse attention forward's score pass (twice when
+`lse` is not given, then it equals that forward's `Q · Kᵀ` plus `P · V` FLOPs), and the indexer side
+`O(Q · G · K · index_heads · index_dim)`.
+
+In both modes the gradients of the indexer tensors are computed in the forward, tile by tile (the
+loss is their only consumer), and scaled by the incoming gradient in the backward: the autograd graph
+holds gradients the size of the indexer tensors, nothing per (query, key). Double backward is not
+supported. The target is a constant of the loss (computed under `no_grad` from detached inputs): no
+gradient reaches the main attention, and the kernels have no backward. The Triton path is checked
+against the float64 oracle and the PyTorch path under Triton's interpreter.
 
 `lse` (optional, either mode): float32 `[batch, local_queries, heads]`, the natural-log log-sum-exp
 of the main attention's scaled scores per query head, over exactly the keys that attention attends
@@ -75,6 +88,7 @@ from sa_kernels.backend import has_triton, triton_interpret
 from ..qsa.lengths import _is_int, packed_block_starts, validate_cu_seqlens
 from ..step5.layouts import RegionMetadata, RegionSelection
 from .blockwise import DistillationProblem, distillation_sum, merge_tiles
+from .slots import SlotProblem, slot_distillation_sum, slot_tiles
 from .units import csa_problem, qsa_problem
 
 __all__ = [
@@ -106,11 +120,12 @@ class _DistillationLoss(torch.autograd.Function):
         index_queries: torch.Tensor,
         index_weights: torch.Tensor | None,
         unit_keys: torch.Tensor,
-        problem: DistillationProblem,
+        problem: DistillationProblem | SlotProblem,
         index_scale: float,
         reduction: str,
     ) -> torch.Tensor:
-        total, grads = distillation_sum(
+        loss_sum = slot_distillation_sum if isinstance(problem, SlotProblem) else distillation_sum
+        total, grads = loss_sum(
             problem, index_queries, index_weights, index_scale, unit_keys, ctx.needs_input_grad[:3]
         )
         if reduction == "mean":
@@ -187,9 +202,10 @@ def qsa_indexer_distillation_loss(
             scores, as its forward returns it (over every visible key in "dense_warmup", over the
             route's keys in "sparse"); None computes it (one more pass over the keys).
         reduction: "mean" over this call's sparse queries (0 when there are none) or "sum".
-        query_block: queries per tile; None: 256, and on the Triton path adjacent tiles merged while
-            a tile's FP32 `[rows, blocks]` target stays within 32M elements (128 MiB).
-        key_block: keys per streamed block of the PyTorch path.
+        query_block: queries per tile; None: "dense_warmup" 256, and on the Triton path adjacent
+            tiles merged while a tile's FP32 `[rows, blocks]` target stays within 32M elements
+            (128 MiB); "sparse" as many as the slot layout's tile bound allows (module docstring).
+        key_block: keys per streamed block of the PyTorch "dense_warmup" path.
         backend: "auto" (Triton for CUDA tensors, the PyTorch loop on CPU), "triton" (on CPU only
             under `TRITON_INTERPRET=1`) or "torch" (the blockwise PyTorch loop).
     Returns:
@@ -281,7 +297,7 @@ def qsa_indexer_distillation_loss(
         key_block=key_block,
         backend=backend,
     )
-    problem = _merged(problem, query_block, 1)
+    problem = _tiled(problem, query_block, 1, index_queries.shape[2], index_dim)
     return _DistillationLoss.apply(
         index_queries.unsqueeze(2),
         None,
@@ -338,10 +354,11 @@ def csa_indexer_distillation_loss(
             scores, as its forward returns it (over every visible key in "dense_warmup", over the
             selected regions' visible keys in "sparse"); None computes it.
         reduction: "mean" over this shard's sparse queries (0 when there are none) or "sum".
-        query_block: queries per tile (the metadata's score tiles, merged or split); None: 256, and
-            on the Triton path tiles merged while a tile's FP32 `[G, rows, regions]` target stays
-            within 32M elements (128 MiB).
-        key_block: keys per streamed block of the PyTorch path.
+        query_block: queries per tile (the metadata's score tiles, merged or split); None:
+            "dense_warmup" 256, and on the Triton path tiles merged while a tile's FP32
+            `[G, rows, regions]` target stays within 32M elements (128 MiB); "sparse" as many as the
+            slot layout's tile bound allows (module docstring).
+        key_block: keys per streamed block of the PyTorch "dense_warmup" path.
         backend: "auto" (Triton for CUDA tensors, the PyTorch loop on CPU), "triton" (on CPU only
             under `TRITON_INTERPRET=1`) or "torch" (the blockwise PyTorch loop).
     Returns:
@@ -417,7 +434,7 @@ def csa_indexer_distillation_loss(
         key_block=key_block,
         backend=backend,
     )
-    problem = _merged(problem, query_block, groups)
+    problem = _tiled(problem, query_block, groups, index_heads, index_dim)
     return _DistillationLoss.apply(
         index_queries, index_weights, region_summaries, problem, 1.0, reduction
     )
@@ -486,10 +503,24 @@ def _resolve_backend(fn: str, backend: str, query: torch.Tensor) -> str:
     return "triton"
 
 
-def _merged(
-    problem: DistillationProblem, query_block: int | None, groups: int
-) -> DistillationProblem:
-    """The problem with its tiles merged up to `_TILE_ELEMENTS` (Triton path, automatic tiles)."""
+def _tiled(
+    problem: DistillationProblem | SlotProblem,
+    query_block: int | None,
+    groups: int,
+    index_heads: int,
+    index_dim: int,
+) -> DistillationProblem | SlotProblem:
+    """The problem with its final tiles. Sparse stage: rows regrouped so that a tile's largest gathered
+    tensor stays within `slots._SLOT_ELEMENTS`. Dense warm-up: tiles merged up to `_TILE_ELEMENTS`
+    (Triton path, automatic tiles)."""
+    if isinstance(problem, SlotProblem):
+        slots = problem.slot_units.shape[-1]
+        per_row = groups * slots * max(index_dim, index_heads)  # gathered unit keys, dots
+        if problem.backend == "torch":  # gathered main keys and scores of one (group, KV head)
+            heads, dim = problem.query.shape[2:]
+            keys = slots * problem.unit_rows.shape[-1] + problem.suffix_rows.shape[-1]
+            per_row = max(per_row, keys * max(dim, heads // groups))
+        return dataclasses.replace(problem, tiles=slot_tiles(problem.tiles, per_row, query_block))
     if query_block is not None or problem.backend != "triton":
         return problem
     return dataclasses.replace(problem, tiles=merge_tiles(problem.tiles, groups, _TILE_ELEMENTS))

@@ -1,9 +1,10 @@
-"""The blockwise distillation loss: targets from the main attention, KL to the indexer, tile by tile.
+"""The dense warm-up distillation loss: targets from the main attention, KL to the indexer, by tile.
 
 A `DistillationProblem` holds everything in the indexer's "units" (QSA compressed blocks, CSA regions):
-the unit of every key token, the candidate units of every query, the rows that carry a loss, and
-host tiles of at most `query_block` local queries with the unit and key intervals they need.
-Per tile:
+the unit of every key token, the candidate units `[start, stop)` of every query, the rows that carry
+a loss, and host tiles of at most `query_block` local queries with the unit and key intervals they
+need. (The sparse stage, whose candidates are a few selected units, runs in the slot layout of
+`slots`.) Per tile:
 
 1. the target (under `no_grad`): the main attention's per-head softmax over the tile's keys, streamed
    over blocks of `key_block` keys: a first pass for the per-head log-sum-exp (skipped when the
@@ -50,8 +51,8 @@ class DistillationTile:
 
 @dataclass(frozen=True)
 class DistillationProblem:
-    """One layer's distillation inputs in the indexer's units (`B` batch, `Q` local queries, `S` global
-    keys, `G` route groups, `H` main query heads, `K` selected units per query).
+    """One layer's dense warm-up inputs in the indexer's units (`B` batch, `Q` local queries, `S`
+    global keys, `G` route groups, `H` main query heads).
 
     Attributes:
         query: [B, Q, H, D] main-attention queries (detached).
@@ -63,13 +64,9 @@ class DistillationProblem:
         key_units: int64 [B, S], unit of every key, -1 for none (padding, a QSA tail).
         loss_rows: bool [B, Q], the queries that carry a loss.
         groups: `G`; query head h belongs to group `h // (H / G)`.
-        candidate_start, candidate_stop: int64 [B, Q], candidates `[start, stop)` ("dense_warmup"), or
-            None.
-        selected_units: int64 [B, G, Q, K], the candidates ("sparse"; -1 unused), or None.
-        suffix_start: int64 [B, Q], "sparse" only: the main attention also attends every visible key at
-            global rows >= this one (QSA tail, CSA current region), outside the candidates.
-        lse: float32 [B, Q, H] natural log-sum-exp of the main attention's scaled scores over the keys
-            it attends, or None (computed).
+        candidate_start, candidate_stop: int64 [B, Q], the candidate units `[start, stop)`.
+        lse: float32 [B, Q, H] natural log-sum-exp of the main attention's scaled scores over every
+            visible key, or None (computed).
         tiles: the host tiles; together they cover every loss row once.
         key_block: keys per streamed block (the PyTorch path).
         backend: "torch" (the blockwise PyTorch loop) or "triton" (`triton_kernels`).
@@ -87,10 +84,8 @@ class DistillationProblem:
     key_units: torch.Tensor
     loss_rows: torch.Tensor
     groups: int
-    candidate_start: torch.Tensor | None
-    candidate_stop: torch.Tensor | None
-    selected_units: torch.Tensor | None
-    suffix_start: torch.Tensor | None
+    candidate_start: torch.Tensor
+    candidate_stop: torch.Tensor
     lse: torch.Tensor | None
     tiles: tuple[DistillationTile, ...]
     key_block: int
@@ -145,21 +140,11 @@ def merge_tiles(
 def _candidates(problem: DistillationProblem, tile: DistillationTile) -> torch.Tensor:
     """bool [G, rows, units of the tile]: the candidate units of each (group, query)."""
     b, q0, q1 = tile.batch, tile.query_start, tile.query_stop
-    units = tile.unit_stop - tile.unit_start
-    device = problem.key_units.device
-    if problem.selected_units is None:
-        unit = torch.arange(tile.unit_start, tile.unit_stop, device=device)
-        start = problem.candidate_start[b, q0:q1, None]
-        stop = problem.candidate_stop[b, q0:q1, None]
-        inside = (unit >= start) & (unit < stop)
-        return inside.unsqueeze(0).expand(problem.groups, -1, -1)
-    selected = problem.selected_units[b, :, q0:q1]  # [G, rows, K]
-    relative = selected - tile.unit_start
-    inside = (selected >= 0) & (relative >= 0) & (relative < units)
-    slots = torch.zeros(
-        problem.groups, q1 - q0, units + 1, dtype=torch.bool, device=device
-    )  # the last slot collects what falls outside
-    return slots.scatter_(2, torch.where(inside, relative, units), True)[..., :units]
+    unit = torch.arange(tile.unit_start, tile.unit_stop, device=problem.key_units.device)
+    start = problem.candidate_start[b, q0:q1, None]
+    stop = problem.candidate_stop[b, q0:q1, None]
+    inside = (unit >= start) & (unit < stop)
+    return inside.unsqueeze(0).expand(problem.groups, -1, -1)
 
 
 def _target(
@@ -183,10 +168,6 @@ def _target(
     )
     query_rows = problem.query_start + torch.arange(q0, q1, device=device)
     query_documents = problem.query_documents[b, q0:q1]
-    sparse = problem.selected_units is not None
-    if sparse:
-        member_slots = torch.nn.functional.pad(candidates, (0, 1))  # [G, rows, units + 1]
-        suffix = problem.suffix_start[b, q0:q1]
 
     def block(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Masked scaled scores [G, per_group, rows, keys] and the keys' unit slots [keys]."""
@@ -200,12 +181,7 @@ def _target(
         )  # [rows, keys]
         unit = problem.key_units[b, t0:t1] - tile.unit_start
         slot = torch.where((unit >= 0) & (unit < units), unit, units)
-        if sparse:
-            attended = member_slots.gather(2, slot.expand(groups, rows, -1))
-            attended = (attended | (key_rows >= suffix[:, None])) & visible
-        else:
-            attended = visible.expand(groups, -1, -1)
-        return scores.masked_fill_(~attended[:, None], _NEG_INF), slot
+        return scores.masked_fill_(~visible[None, None], _NEG_INF), slot
 
     key_ranges = [
         (t0, min(t0 + problem.key_block, tile.key_stop))
@@ -236,90 +212,50 @@ def _target(
     return torch.where(norm > 0, target / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
 
 
-@dataclass(frozen=True)
-class _TritonState:
-    """Per-problem inputs of the Triton target: the per-head LSE (given, computed for every query in
-    "dense_warmup", or filled tile by tile in "sparse") and the sorted selections ("sparse")."""
-
-    lse: torch.Tensor  # float32 [B, Q, H], contiguous
-    compute_lse: bool  # "sparse" only: the kernels fill each tile's rows of `lse`
-    sorted_units: torch.Tensor | None  # int32 [B, G, Q, K], ascending, invalid ids (= U) last
-
-
-def _triton_state(problem: DistillationProblem) -> _TritonState:
+def _triton_lse(problem: DistillationProblem) -> torch.Tensor:
+    """float32 [B, Q, H] per-head LSE of the Triton target: the given one (+inf where not finite) or
+    `triton_kernels.dense_lse` over every visible key."""
     from .triton_kernels import dense_lse
 
-    query = problem.query
-    batch, queries, heads = query.shape[:3]
-    given = problem.lse
-    if given is not None:
-        given = given.float()
-        given = torch.where(torch.isfinite(given), given, float("inf")).contiguous()
-    if problem.selected_units is None:
-        lse = given
-        if lse is None:
-            lse = dense_lse(
-                query,
-                problem.key,
-                problem.key_documents,
-                problem.query_documents,
-                problem.document_start,
-                query_start=problem.query_start,
-                softmax_scale=problem.softmax_scale,
-            )
-        return _TritonState(lse, False, None)
-    count = problem.unit_rows.shape[1]
-    selected = problem.selected_units
-    valid = (selected >= 0) & (selected < count)
-    ordered = torch.where(valid, selected, count).sort(dim=-1).values.to(torch.int32)
-    if given is None:
-        lse = torch.full((batch, queries, heads), float("inf"), device=query.device)
-        return _TritonState(lse, True, ordered)
-    return _TritonState(given, False, ordered)
+    if problem.lse is not None:
+        given = problem.lse.float()
+        return torch.where(torch.isfinite(given), given, float("inf")).contiguous()
+    return dense_lse(
+        problem.query,
+        problem.key,
+        problem.key_documents,
+        problem.query_documents,
+        problem.document_start,
+        query_start=problem.query_start,
+        softmax_scale=problem.softmax_scale,
+    )
 
 
 def _triton_target(
     problem: DistillationProblem,
     tile: DistillationTile,
     candidates: torch.Tensor,
-    state: _TritonState,
+    lse: torch.Tensor,
 ) -> torch.Tensor:
-    """`_target` from the Triton kernels (`triton_kernels.dense_mass` / `sparse_mass`)."""
-    from .triton_kernels import dense_mass, sparse_mass
+    """`_target` from the Triton kernel `triton_kernels.dense_mass`."""
+    from .triton_kernels import dense_mass
 
     b, q0, q1 = tile.batch, tile.query_start, tile.query_stop
-    units = tile.unit_stop - tile.unit_start
-    common = dict(
+    mass = dense_mass(
         query=problem.query[b],
         key=problem.key[b],
-        lse=state.lse[b],
+        lse=lse[b],
         unit_rows=problem.unit_rows[b],
         key_documents=problem.key_documents[b],
         query_documents=problem.query_documents[b],
+        candidate_start=problem.candidate_start[b],
+        candidate_stop=problem.candidate_stop[b],
+        groups=problem.groups,
         rows=(q0, q1),
+        units=(tile.unit_start, tile.unit_stop),
         query_start=problem.query_start,
         softmax_scale=problem.softmax_scale,
     )
-    if state.sorted_units is None:
-        mass = dense_mass(
-            **common,
-            candidate_start=problem.candidate_start[b],
-            candidate_stop=problem.candidate_stop[b],
-            groups=problem.groups,
-            units=(tile.unit_start, tile.unit_stop),
-        )
-    else:
-        ordered = state.sorted_units[b]
-        slots = sparse_mass(
-            **common,
-            suffix_start=problem.suffix_start[b],
-            sorted_units=ordered,
-            compute_lse=state.compute_lse,
-        )  # [G, rows, K]
-        relative = ordered[:, q0:q1].long() - tile.unit_start
-        inside = (relative >= 0) & (relative < units)
-        mass = torch.zeros(problem.groups, q1 - q0, units + 1, device=slots.device)
-        mass = mass.scatter_add_(2, torch.where(inside, relative, units), slots)[..., :units]
     target = mass * candidates
     norm = target.sum(dim=-1, keepdim=True)
     return torch.where(norm > 0, target / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
@@ -361,10 +297,10 @@ def distillation_sum(
     d_keys = torch.zeros_like(unit_keys, dtype=torch.float32) if want_k else None
     backward = want_q or want_w or want_k
     total = torch.zeros((), device=device)
-    state = None
+    lse = None
     if problem.backend == "triton" and problem.tiles:
         with torch.no_grad():
-            state = _triton_state(problem)
+            lse = _triton_lse(problem)
     for tile in problem.tiles:
         b, q0, q1, u0, u1 = (
             tile.batch,
@@ -375,10 +311,10 @@ def distillation_sum(
         )
         candidates = _candidates(problem, tile)
         with torch.no_grad():
-            if state is None:
+            if lse is None:
                 target = _target(problem, tile, candidates)
             else:
-                target = _triton_target(problem, tile, candidates, state)
+                target = _triton_target(problem, tile, candidates, lse)
         queries = index_queries[b, q0:q1].float()  # [rows, G, Hi, Di]
         keys = unit_keys[b, u0:u1].float()  # [units, Di]
         coefficients = (

@@ -20,8 +20,8 @@ the main attention attends. Three kernels compute it without an `[S, S]` tensor:
 - `_sparse_kernel` ("sparse"): one program per (query, route group); its selected units arrive sorted
   ascending (invalid ids last), so a repeat is its predecessor and counts once (set semantics). With
   `LSE_PASS` it computes the per-head LSE over the union of the selected units' visible keys and the
-  suffix keys (QSA tail, CSA current region); without, it writes the mass of every selected slot,
-  `[G, rows, K]` (a unit's visible keys, the suffix's included).
+  suffix keys (QSA tail, CSA current region), read from a per-query table of key rows; without, it
+  writes the mass of every selected slot in the slot layout `[G, rows, K]` (a unit's visible keys).
 
 Scores accumulate in FP32 (`fp32_dot`: exact FP32 products for FP32 inputs unless TF32 is allowed;
 BF16 × BF16 products are exact). Head dims that are not a power of two split into a power-of-two
@@ -245,10 +245,10 @@ def _sparse_keys(
 
 @triton.jit
 def _sparse_kernel(
-    q_ptr, k_ptr, lse_ptr, units_ptr, kdoc_ptr, qdoc_ptr, suffix_ptr, ids_ptr, out_ptr,
-    stride_qq, stride_qh, stride_ks, stride_kh, stride_lq, stride_uu, stride_ig, stride_iq,
-    stride_og, stride_or,
-    q0, slots, unit_count, query_start, head_dim, per_kv, per_group, scale_log2,
+    q_ptr, k_ptr, lse_ptr, units_ptr, kdoc_ptr, qdoc_ptr, suffix_ptr, tail_ptr, ids_ptr, out_ptr,
+    stride_qq, stride_qh, stride_ks, stride_kh, stride_lq, stride_uu, stride_tq, stride_ig,
+    stride_iq, stride_og, stride_or,
+    q0, slots, unit_count, tail_width, query_start, head_dim, per_kv, per_group, scale_log2,
     HP: tl.constexpr, NU: tl.constexpr, UNIT: tl.constexpr, BLOCK_S: tl.constexpr,
     D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr, LSE_PASS: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -288,16 +288,17 @@ def _sparse_kernel(
                     q_hi, q_lo, k_ptr, k_rows, keep, offs_hi, offs_lo, head_dim, HAS_LO, IEEE, UPCAST
                 )  # fmt: skip
                 m_i, l_i = _online(m_i, l_i, tl.where(keep[None, :], s * scale_log2, float("-inf")))
-            for t0 in range(suffix, (qrow + 1).to(tl.int32), BLOCK_S):
-                key_row = (t0 + tl.arange(0, BLOCK_S)).to(tl.int64)
-                in_range = key_row <= qrow
-                kdoc = tl.load(kdoc_ptr + key_row, mask=in_range, other=-2)
-                keep = in_range & (kdoc == qdoc) & (kdoc >= 0)
-                k_rows = key_row * stride_ks + kv * stride_kh
-                s = _scores(
-                    q_hi, q_lo, k_ptr, k_rows, keep, offs_hi, offs_lo, head_dim, HAS_LO, IEEE, UPCAST
-                )  # fmt: skip
-                m_i, l_i = _online(m_i, l_i, tl.where(keep[None, :], s * scale_log2, float("-inf")))
+            # the suffix: its table row holds the visible key rows (-1 none)
+            t = tl.arange(0, BLOCK_S)
+            key_row = tl.load(tail_ptr + qi * stride_tq + t, mask=t < tail_width, other=-1).to(
+                tl.int64
+            )
+            keep = key_row >= 0
+            k_rows = key_row * stride_ks + kv * stride_kh
+            s = _scores(
+                q_hi, q_lo, k_ptr, k_rows, keep, offs_hi, offs_lo, head_dim, HAS_LO, IEEE, UPCAST
+            )  # fmt: skip
+            m_i, l_i = _online(m_i, l_i, tl.where(keep[None, :], s * scale_log2, float("-inf")))
             tl.store(lse_ptr + qi * stride_lq + h0 + hp, _natural_lse(m_i, l_i), mask=h_ok)
     else:
         for slot0 in range(0, slots, NU):
@@ -481,6 +482,7 @@ def sparse_mass(
     key_documents: torch.Tensor,
     query_documents: torch.Tensor,
     suffix_start: torch.Tensor,
+    suffix_rows: torch.Tensor,
     sorted_units: torch.Tensor,
     *,
     rows: tuple[int, int],
@@ -493,14 +495,16 @@ def sparse_mass(
 
     Args (one batch row; as `dense_mass` where not said):
         lse: float32 [Q, H]; with `compute_lse` its rows `q0 … q1` are overwritten first with the
-            natural log-sum-exp over the selected units' visible keys and the visible keys from row
-            `suffix_start` up to the query (+inf: none).
+            natural log-sum-exp over the selected units' visible keys at rows below `suffix_start`
+            and the keys of `suffix_rows` (+inf: none).
         suffix_start: int [Q].
+        suffix_rows: int [Q, W], the visible key rows attended besides the units, -1 for none.
         sorted_units: int32 [G, Q, K], each row ascending with every id outside `[0, U)` last.
     """
     query, key, unit_rows = _rows_last(query), _rows_last(key), _rows_last(unit_rows)
     key_documents, query_documents = _rows_last(key_documents), _rows_last(query_documents)
     suffix_start, sorted_units = _rows_last(suffix_start), _rows_last(sorted_units)
+    suffix_rows = _rows_last(suffix_rows)
     q0, q1 = rows
     heads, dim = query.shape[1:]
     groups, slots = sorted_units.shape[0], sorted_units.shape[2]
@@ -511,16 +515,18 @@ def sparse_mass(
     unit, nu = _unit_geometry(unit_rows)
     d_hi, d_lo, has_lo = _head_split(dim)
     ieee, upcast = _precision(query)
+    width = suffix_rows.shape[1]
     for lse_pass in (True, False) if compute_lse else (False,):
         _sparse_kernel[(q1 - q0, groups)](
             query, key, lse, unit_rows, key_documents, query_documents, suffix_start,
-            sorted_units, out,
+            suffix_rows, sorted_units, out,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), lse.stride(0),
-            unit_rows.stride(0), sorted_units.stride(0), sorted_units.stride(1),
-            out.stride(0), out.stride(1),
-            q0, slots, unit_rows.shape[0], query_start, dim, per_kv, per_group,
+            unit_rows.stride(0), suffix_rows.stride(0), sorted_units.stride(0),
+            sorted_units.stride(1), out.stride(0), out.stride(1),
+            q0, slots, unit_rows.shape[0], width, query_start, dim, per_kv, per_group,
             softmax_scale * LOG2E,
-            HP=_pow2_at_least(min(per_kv, per_group), 16), NU=nu, UNIT=unit, BLOCK_S=_KEYS,
+            HP=_pow2_at_least(min(per_kv, per_group), 16), NU=nu, UNIT=unit,
+            BLOCK_S=_pow2_at_least(width, 16),
             D_HI=d_hi, D_LO=d_lo, HAS_LO=has_lo, LSE_PASS=lse_pass,
             IEEE=ieee, UPCAST=upcast,
             num_warps=4, num_stages=2,

@@ -2,13 +2,14 @@
 
 QSA: block `b` of a document is its tokens `[b*c, (b+1)*c)` (document-local); a trailing partial group
 belongs to no block. A query at document position `p` sees `v = (p + 1) // c` complete blocks and
-carries a loss iff `v > budget // c`. Its candidates are blocks `[0, v)` ("dense_warmup") or the
-blocks of its route ("sparse", whose attention also takes the tail tokens `v*c … p`).
+carries a loss iff `v > budget // c`. Its candidates are blocks `[0, v)` ("dense_warmup", a
+`DistillationProblem`) or the blocks of its route ("sparse", a `SlotProblem`, whose attention also
+takes the tail tokens `v*c … p`: the suffix).
 
 CSA: units are `RegionMetadata`'s global regions. A query carries a loss iff it is sparse
 (`metadata.sparse_queries`). Its candidates are the historical regions of its document
 `[first region, current)` ("dense_warmup") or its selection minus the current region ("sparse",
-whose attention also takes the visible tokens of the current region).
+whose attention also takes the visible tokens of the current region: the suffix).
 
 Everything the host needs (the tiles) comes from host lengths, packed boundaries or the metadata's
 score tiles; the CSA tiles' first key rows come back in one synchronisation.
@@ -24,6 +25,7 @@ from ..qsa.lengths import packed_block_starts
 from ..qsa.selection.chunked import packed_segments, padded_segments
 from ..step5.layouts import RegionMetadata
 from .blockwise import DistillationProblem, DistillationTile, split_rows
+from .slots import SlotProblem, sorted_slots
 
 
 def qsa_problem(
@@ -41,8 +43,9 @@ def qsa_problem(
     query_block: int,
     key_block: int,
     backend: str = "torch",
-) -> DistillationProblem:
-    """The QSA problem of validated inputs (`lengths` for right padding or `bounds` for packing)."""
+) -> DistillationProblem | SlotProblem:
+    """The QSA problem of validated inputs (`lengths` for right padding or `bounds` for packing): a
+    `SlotProblem` when `routes` are given ("sparse"), else a `DistillationProblem`."""
     batch, queries = query.shape[:2]
     total = key.shape[1]
     device = query.device
@@ -77,13 +80,6 @@ def qsa_problem(
     visible_blocks = (positions[:, rows] + 1) // c
     first_block = document_first_block[own]
     loss_rows = (query_documents >= 0) & (visible_blocks > kept)
-    selected = suffix = None
-    if routes is not None:
-        starts = routes[..., : kept * c : c].long()  # the first token of each routed block
-        units = key_units.gather(1, starts.clamp_min(0).flatten(1)).view_as(starts)
-        selected = torch.where(starts >= 0, units, -1)[:, None]  # [B, 1, Q, kept]
-        start_row = torch.arange(query_start, query_start + queries, device=device)
-        suffix = start_row - positions[:, rows] + visible_blocks * c
 
     dense_limit = (kept + 1) * c - 1  # document positions below it route densely: no loss
     tiles: list[DistillationTile] = []
@@ -109,9 +105,38 @@ def qsa_problem(
             )
 
         tiles += split_rows(b, first + skip, first + seg.rows, query_block, ranges)
+    start_row = torch.arange(query_start, query_start + queries, device=device)
+    if routes is not None:
+        starts = routes[..., : kept * c : c].long()  # the first token of each routed block
+        units = key_units.expand(batch, total).gather(1, starts.clamp_min(0).flatten(1))
+        units = torch.where(starts >= 0, units.view_as(starts), -1)[:, None]  # [B, 1, Q, kept]
+        slot_units, slot_valid = sorted_slots(units, unit_count)
+        suffix = (start_row - positions[:, rows] + visible_blocks * c).expand(batch, queries)
+        width = 1 << max(c - 2, 0).bit_length()  # the tail holds at most c - 1 tokens
+        tail = suffix[..., None] + torch.arange(width, device=device)
+        live = (tail <= start_row[:, None]) & (query_documents >= 0).expand(batch, queries)[
+            ..., None
+        ]
+        return SlotProblem(
+            query=query,
+            key=key,
+            softmax_scale=softmax_scale,
+            query_start=query_start,
+            key_documents=key_documents.expand(batch, total),
+            query_documents=query_documents.expand(batch, queries),
+            loss_rows=loss_rows.expand(batch, queries),
+            groups=1,
+            slot_units=slot_units,
+            slot_valid=slot_valid,
+            unit_rows=_qsa_unit_rows(key_units, positions, c, unit_count).expand(batch, -1, -1),
+            suffix_start=suffix,
+            suffix_rows=torch.where(live, tail, -1).to(torch.int32),
+            lse=lse,
+            tiles=tuple(tiles),
+            backend=backend,
+        )
     document_start = unit_rows = None
     if backend == "triton":
-        start_row = torch.arange(query_start, query_start + queries, device=device)
         document_start = (start_row - positions[:, rows]).expand(batch, queries)
         unit_rows = _qsa_unit_rows(key_units, positions, c, unit_count)
     return DistillationProblem(
@@ -126,8 +151,6 @@ def qsa_problem(
         groups=1,
         candidate_start=first_block.expand(batch, queries),
         candidate_stop=(first_block + visible_blocks).expand(batch, queries),
-        selected_units=selected,
-        suffix_start=suffix,
         lse=lse,
         tiles=tuple(tiles),
         key_block=key_block,
@@ -162,8 +185,9 @@ def csa_problem(
     query_block: int,
     key_block: int,
     backend: str = "torch",
-) -> DistillationProblem:
-    """The CSA problem of validated inputs (`region_ids` [B, G, Q, topk + 1] in "sparse" mode)."""
+) -> DistillationProblem | SlotProblem:
+    """The CSA problem of validated inputs: a `SlotProblem` when `region_ids` [B, G, Q, topk + 1]
+    are given ("sparse"), else a `DistillationProblem`."""
     count = metadata.region_count
     current = metadata.current
     # the first key row of each query's current region (its document offset 0 is never padding)
@@ -172,12 +196,6 @@ def csa_problem(
         if count
         else torch.zeros_like(current)
     )
-    selected = suffix = None
-    if region_ids is not None:
-        ids = region_ids.long()
-        historical = (ids >= 0) & (ids < count) & (ids != current[:, None, :, None])
-        selected = torch.where(historical, ids, -1)
-        suffix = current_start
 
     # merge the score tiles of a batch row into tiles of at most query_block rows
     spans: list[list[int]] = []  # [batch, q0, q1, first_region, past_region]
@@ -204,10 +222,44 @@ def csa_problem(
                     metadata.query_start + a1,
                 ),
             )
+    sources = metadata.region_sources
+    width = 1 << (sources.shape[-1] - 1).bit_length()
+    if region_ids is not None:
+        ids = region_ids.long()
+        historical = (ids >= 0) & (ids < count) & (ids != current[:, None, :, None])
+        slot_units, slot_valid = sorted_slots(torch.where(historical, ids, -1), count)
+        # the suffix: the current region's tokens up to the query
+        start_row = torch.arange(metadata.query_start, metadata.query_start + metadata.queries)
+        start_row = start_row.to(current.device)
+        if count:
+            tail = sources.gather(
+                1, current.clamp_min(0)[..., None].expand(-1, -1, sources.shape[-1])
+            )
+        else:
+            tail = torch.full((*current.shape, sources.shape[-1]), -1, device=current.device)
+        live = (tail >= 0) & (tail <= start_row[:, None]) & (current >= 0)[..., None]
+        return SlotProblem(
+            query=query,
+            key=key,
+            softmax_scale=softmax_scale,
+            query_start=metadata.query_start,
+            key_documents=metadata.documents,
+            query_documents=metadata.query_documents,
+            loss_rows=metadata.sparse_queries,
+            groups=groups,
+            slot_units=slot_units,
+            slot_valid=slot_valid,
+            unit_rows=torch.nn.functional.pad(sources, (0, width - sources.shape[-1]), value=-1).to(
+                torch.int32
+            ),
+            suffix_start=current_start,
+            suffix_rows=torch.where(live, tail, -1).to(torch.int32),
+            lse=lse,
+            tiles=tuple(tiles),
+            backend=backend,
+        )
     document_start = unit_rows = None
     if backend == "triton":
-        sources = metadata.region_sources
-        width = 1 << (sources.shape[-1] - 1).bit_length()
         unit_rows = torch.nn.functional.pad(sources, (0, width - sources.shape[-1]), value=-1)
         document_start = (
             sources[..., 0].long().gather(1, metadata.query_first_region.clamp_min(0))
@@ -226,8 +278,6 @@ def csa_problem(
         groups=groups,
         candidate_start=metadata.query_first_region,
         candidate_stop=current,
-        selected_units=selected,
-        suffix_start=suffix,
         lse=lse,
         tiles=tuple(tiles),
         key_block=key_block,
