@@ -3,18 +3,10 @@
 import copy
 import itertools
 
+import model_checks as checks
 import pytest
 import torch
 import torch.distributed as dist
-from model_checks import (
-    assert_compiled_equals_eager,
-    assert_learns_and_round_trips,
-    assert_shards_equal_single_rank,
-    checkpointed_step,
-    masked_attention64,
-    rms_norm64,
-    shard_result,
-)
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
@@ -51,7 +43,7 @@ def reference_attention(layer: QSAAttention, hidden: torch.Tensor, batch: QSABat
     q, gate = qg[..., :d], qg[..., d:]
 
     def norm(t, w):
-        return rms_norm64(t, w, cfg.rms_norm_eps)
+        return checks.rms_norm64(t, w, cfg.rms_norm_eps)
 
     freqs = batch.freqs.double().expand(b, -1, -1)
     q = apply_qsa_rope(norm(q, layer.q_norm.weight), freqs)
@@ -71,7 +63,7 @@ def reference_attention(layer: QSAAttention, hidden: torch.Tensor, batch: QSABat
             for row in range(s):
                 valid = ids[bi, row][ids[bi, row] >= 0].long()
                 mask[bi, row, valid] = True
-    out = masked_attention64(q, k, v, mask[:, None])
+    out = checks.masked_attention64(q, k, v, mask[:, None])
     return (torch.sigmoid(gate) * out).flatten(-2) @ layer.o_proj.weight.double().T
 
 
@@ -176,7 +168,9 @@ def test_packed_documents_equal_each_document_alone_and_routes_stay_in_their_doc
 
 def train_step(mode: str, reuse: bool = True):
     model = tiny_model(reuse_routes_on_recompute=reuse)
-    return checkpointed_step(model, mode, lambda m: m(token_ids(), labels=token_ids(seed=7)).loss)
+    return checks.checkpointed_step(
+        model, mode, lambda m: m(token_ids(), labels=token_ids(seed=7)).loss
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -232,7 +226,7 @@ def test_compiled_model_forward_and_backward_equal_eager():
     mask = torch.ones(2, SEQUENCE, dtype=torch.long)
     mask[1, 31:] = 0
     labels = token_ids(seed=7)
-    assert_compiled_equals_eager(
+    checks.assert_compiled_equals_eager(
         model, lambda run: run(token_ids(), attention_mask=mask, labels=labels)
     )
 
@@ -246,7 +240,7 @@ def _sharded(rank, world_size, model, ids, labels, bounds):
     rows = slice(rank * local, (rank + 1) * local)
     seen = capture_routes(model.layers[0].self_attn)
     out = model(ids[:, rows], labels=labels[:, rows], cp_context=cp)
-    return shard_result(model, out, seen[0])
+    return checks.shard_result(model, out, seen[0])
 
 
 @pytest.mark.parametrize(
@@ -265,7 +259,7 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, packed)
     results = run_on_ranks(
         world_size, _sharded, tiny_model(layer_types=("qsa", "dense")), ids, labels, bounds
     )
-    assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=1)
+    checks.assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=1)
 
 
 # -- training and checkpoints ------------------------------------------------------------------------
@@ -274,7 +268,9 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, packed)
 def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
     model = tiny_model()
     assert any(k.endswith("indexer.qk_proj.weight") for k in model.state_dict())
-    assert_learns_and_round_trips(model, token_ids(4, 24, seed=9), lambda: tiny_model(seed=123))
+    checks.assert_learns_and_round_trips(
+        model, token_ids(4, 24, seed=9), lambda: tiny_model(seed=123)
+    )
 
 
 def test_bf16_model_keeps_fp32_norm_weights_and_runs():

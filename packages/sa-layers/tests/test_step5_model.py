@@ -2,18 +2,10 @@
 
 import copy
 
+import model_checks as checks
 import pytest
 import torch
 import torch.distributed as dist
-from model_checks import (
-    assert_compiled_equals_eager,
-    assert_learns_and_round_trips,
-    assert_shards_equal_single_rank,
-    checkpointed_step,
-    masked_attention64,
-    rms_norm64,
-    shard_result,
-)
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
@@ -100,7 +92,7 @@ def reference_attention(layer: Step5Attention, hidden, positions, padding, regio
     qkv = (x @ layer.qkv_proj.weight.double().T).view(b, s, groups, hpg + 2, dim)
 
     def norm(t, w):
-        return rms_norm64(t, w, cfg.rms_norm_eps)
+        return checks.rms_norm64(t, w, cfg.rms_norm_eps)
 
     theta, rotary = layer.rotary_key
     half = rotary // 2
@@ -115,7 +107,7 @@ def reference_attention(layer: Step5Attention, hidden, positions, padding, regio
     k = rope(norm(qkv[..., hpg, :], layer.k_norm.weight)).repeat_interleave(hpg, dim=2)
     v = qkv[..., hpg + 1, :].repeat_interleave(hpg, dim=2)
     mask = reference_mask(layer, positions, padding, region_ids).repeat_interleave(hpg, dim=1)
-    out = masked_attention64(q, k, v, mask)
+    out = checks.masked_attention64(q, k, v, mask)
     gate = torch.sigmoid(x @ layer.g_proj.weight.double().T)[..., None]
     return (out * gate).flatten(-2) @ layer.o_proj.weight.double().T
 
@@ -309,7 +301,7 @@ def train_step(mode: str, reuse: bool = True):
         moe_intermediate_size=16,
     )
     positions, padding = packed_positions(DOCUMENTS)
-    return checkpointed_step(
+    return checks.checkpointed_step(
         model, mode, lambda m: m(token_ids(), positions, padding, labels=token_ids(seed=7)).loss
     )
 
@@ -337,7 +329,7 @@ def test_compiled_model_forward_and_backward_equal_eager():
     model.set_indexer_training("sparse")
     positions, padding = packed_positions(DOCUMENTS)
     labels = token_ids(seed=7)
-    assert_compiled_equals_eager(
+    checks.assert_compiled_equals_eager(
         model, lambda run: run(token_ids(), positions, padding, labels=labels)
     )
 
@@ -356,7 +348,7 @@ def _sharded(rank, world_size, model, ids, positions, padding, labels):
         labels[:, rows],
         cp_group=dist.group.WORLD,
     )
-    return shard_result(model, out, seen[0])
+    return checks.shard_result(model, out, seen[0])
 
 
 @pytest.mark.parametrize(
@@ -374,7 +366,7 @@ def test_context_parallel_shards_equal_the_single_rank_model(world_size, window)
     ref_grads = [p.grad for p in model.parameters() if p.requires_grad]
     fresh = tiny_model(sliding_window=window, layer_types=("swa", "dense", "swa", "csa"))
     results = run_on_ranks(world_size, _sharded, fresh, ids, positions, padding, labels)
-    assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=2)
+    checks.assert_shards_equal_single_rank(results, expected, ref_grads, seen[0], route_dim=2)
 
 
 # -- training and checkpoints ------------------------------------------------------------------------
@@ -384,7 +376,7 @@ def test_tiny_model_trains_and_its_state_dict_round_trips_exactly():
     model = tiny_model(moe_layers=(1,), num_experts=4, moe_intermediate_size=16)
     assert model.config.layer_types == ("swa", "swa", "swa", "csa")
     assert any(k.endswith("indexer.q_proj.weight") for k in model.state_dict())
-    assert_learns_and_round_trips(
+    checks.assert_learns_and_round_trips(
         model,
         token_ids(2, SEQUENCE, seed=9),
         lambda: tiny_model(seed=123, moe_layers=(1,), num_experts=4, moe_intermediate_size=16),
