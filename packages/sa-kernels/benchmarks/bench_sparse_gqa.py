@@ -34,11 +34,18 @@ default launch first.
 
 import argparse
 import functools
-import sys
 import time
 
 import torch
-from sparse_attention_bench import Table, attempt, bench, dense_causal_sdpa, sweep_launches
+from sparse_attention_bench import (
+    Table,
+    add_sweep_gather_argument,
+    attempt,
+    bench,
+    dense_causal_sdpa,
+    require_cuda,
+    sweep_launches,
+)
 
 from sa_kernels.sparse_gqa import (
     _attention,
@@ -280,27 +287,14 @@ def main(argv=None):
     parser.add_argument(
         "--backends", nargs="+", help="only these sparse_gqa backends (skips the Flex baselines)"
     )
-    parser.add_argument(
-        "--sweep-gather",
-        nargs="?",
-        const="both",
-        choices=("fwd", "bwd", "both"),
-        help="gather kernels' launch candidates (forward, backward or both)",
-    )
+    add_sweep_gather_argument(parser)
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_sparse_gqa: needs a CUDA device")
-    import triton
-
+    require_cuda("bench_sparse_gqa")
     # Each geometry, mask_mod and kernel_options compiles Flex once; keep them all compiled.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    print(
-        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
-        flush=True,
-    )
     lengths = args.lengths or ([8192] if args.quick else [32768] + ([131072] if args.long else []))
     table = Table(args.json)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -33,11 +33,18 @@ the default launch first.
 
 import argparse
 import functools
-import sys
 import time
 
 import torch
-from sparse_attention_bench import Table, attempt, bench, dense_causal_sdpa, sweep_launches
+from sparse_attention_bench import (
+    Table,
+    add_sweep_gather_argument,
+    attempt,
+    bench,
+    dense_causal_sdpa,
+    require_cuda,
+    sweep_launches,
+)
 
 from sa_kernels.sparse_region_attention import (
     auto_backend,
@@ -160,23 +167,10 @@ def main(argv=None):
     )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument(
-        "--sweep-gather",
-        nargs="?",
-        const="both",
-        choices=("fwd", "bwd", "both"),
-        help="gather kernels' launch candidates (forward, backward or both)",
-    )
+    add_sweep_gather_argument(parser)
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_sparse_region_attention: needs a CUDA device")
-    import triton
-
-    print(
-        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
-        flush=True,
-    )
+    require_cuda("bench_sparse_region_attention")
     lengths = args.lengths or ([8192] if args.quick else [32768, 65536])
     table = Table(args.json, shape_width=24)
     gen = torch.Generator(device="cuda").manual_seed(0)

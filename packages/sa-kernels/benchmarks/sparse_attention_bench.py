@@ -8,10 +8,34 @@ TFLOP/s count the visible (query head, key) pairs: 4·D flops each forward, 14·
 
 import functools
 import json
+import sys
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
+
+
+def add_sweep_gather_argument(parser):
+    """`--sweep-gather [fwd|bwd|both]`: the `which` of `sweep_launches`."""
+    parser.add_argument(
+        "--sweep-gather",
+        nargs="?",
+        const="both",
+        choices=("fwd", "bwd", "both"),
+        help="gather kernels' launch candidates (forward, backward or both)",
+    )
+
+
+def require_cuda(script):
+    """Exits naming `script` without a CUDA device; else prints the device and versions."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA device")
+    import triton
+
+    print(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}",
+        flush=True,
+    )
 
 
 def bench(fn, inputs, grad):
