@@ -36,16 +36,8 @@ import argparse
 import functools
 import time
 
+import sparse_attention_bench as common
 import torch
-from sparse_attention_bench import (
-    Table,
-    add_sweep_gather_argument,
-    attempt,
-    bench,
-    dense_causal_sdpa,
-    require_cuda,
-    sweep_launches,
-)
 
 from sa_kernels.sparse_gqa import (
     _attention,
@@ -160,7 +152,7 @@ def _bitmap_flex(table, shape, ids, inputs, grad, pairs, dim):
     mask = build_route_block_mask(ids, inputs[1].shape[1], inputs[0].shape[2], build_flex=True)
     assert mask.statistics.causal_offset is None
     fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask)
-    result = attempt(f"clustered-flex-bitmap {shape}", bench, fn, inputs, grad)
+    result = common.attempt(f"clustered-flex-bitmap {shape}", common.bench, fn, inputs, grad)
     if result is not None:
         table.add("clustered-flex-bitmap", shape, *result, pairs, dim, {"mask_mod": "bitmap"})
 
@@ -174,7 +166,7 @@ def run_geometry(
     q, k, v = make(1, length, hq, dim), make(1, length, hkv, dim), make(1, length, hkv, dim)
     grad = make(1, length, hq, dim)
     table.dense = table.block = None
-    dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2).contiguous())
+    common.dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2).contiguous())
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     route_heads = hkv if per_group else 1
     for kind in kinds:
@@ -201,7 +193,7 @@ def run_geometry(
             backends.insert(1, "fa4")
         for backend in backends if only is None else [b for b in backends if b in only]:
             fn = functools.partial(_attend, ids=ids, backend=backend, block_mask=mask)
-            result = attempt(f"{kind}-{backend} {shape}", bench, fn, (q, k, v), grad)
+            result = common.attempt(f"{kind}-{backend} {shape}", common.bench, fn, (q, k, v), grad)
             if result is not None:
                 extra = dict(info or {})
                 if backend == "auto":
@@ -221,7 +213,9 @@ def _block_baseline(table, shape, inputs, grad, route_mask, pairs, dim):
     block_mask = _block_aligned_mask(route_mask)
     for options in (None, flex_kernel_options(dim, torch.bfloat16, "cuda")):
         fn = functools.partial(_block_flex, mask=block_mask, options=options)
-        result = attempt(f"block-flex {shape} options={options}", bench, fn, inputs, grad)
+        result = common.attempt(
+            f"block-flex {shape} options={options}", common.bench, fn, inputs, grad
+        )
         if result is not None:
             extra = {"kernel_options": "default" if options is None else "ours"}
             row = table.add("block-flex", shape, *result, pairs, dim, extra)
@@ -235,7 +229,7 @@ def _sweep(table, shape, ids, mask, inputs, grad, pairs, dim):
     best = None
     for i, options in enumerate(SWEEP_OPTIONS):
         fn = functools.partial(_attend, ids=ids, backend="flex", block_mask=mask, options=options)
-        result = attempt(f"sweep {i} {options}", bench, fn, inputs, grad)
+        result = common.attempt(f"sweep {i} {options}", common.bench, fn, inputs, grad)
         if result is None:
             continue
         row = table.add(f"sweep-flex-{i}", shape, *result, pairs, dim, {"options": options})
@@ -268,7 +262,7 @@ def _sweep_gather(table, shape, mask, inputs, grad, pairs, dim, which="both"):
     ):
         default = default_config(dim, is_backward)
         directions.append((is_backward, [(c, c == default) for c in configs], run, want))
-    sweep_launches(table, shape, which, directions, pairs, dim)
+    common.sweep_launches(table, shape, which, directions, pairs, dim)
 
 
 def main(argv=None):
@@ -287,16 +281,16 @@ def main(argv=None):
     parser.add_argument(
         "--backends", nargs="+", help="only these sparse_gqa backends (skips the Flex baselines)"
     )
-    add_sweep_gather_argument(parser)
+    common.add_sweep_gather_argument(parser)
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
-    require_cuda("bench_sparse_gqa")
+    common.require_cuda("bench_sparse_gqa")
     # Each geometry, mask_mod and kernel_options compiles Flex once; keep them all compiled.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     lengths = args.lengths or ([8192] if args.quick else [32768] + ([131072] if args.long else []))
-    table = Table(args.json)
+    table = common.Table(args.json)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for length in lengths:
         for geometry in GEOMETRIES:

@@ -35,16 +35,8 @@ import argparse
 import functools
 import time
 
+import sparse_attention_bench as common
 import torch
-from sparse_attention_bench import (
-    Table,
-    add_sweep_gather_argument,
-    attempt,
-    bench,
-    dense_causal_sdpa,
-    require_cuda,
-    sweep_launches,
-)
 
 from sa_kernels.sparse_region_attention import (
     auto_backend,
@@ -99,7 +91,7 @@ def run_length(table, length, gen, kinds, backends, sweep_gather):
     k, v = make(1, length, GROUPS, HEAD_DIM), make(1, length, GROUPS, HEAD_DIM)
     grad = make(1, length, HEADS, HEAD_DIM)
     table.dense = None
-    dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2))
+    common.dense_causal_sdpa(table, shape, q, k, v, grad.transpose(1, 2))
     torch.cuda.empty_cache()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for kind in kinds:
@@ -118,7 +110,7 @@ def run_length(table, length, gen, kinds, backends, sweep_gather):
             fn = functools.partial(
                 _attend, ids=ids, sources=sources, backend=backend, block_mask=mask
             )
-            result = attempt(f"{kind}-{backend} {shape}", bench, fn, (q, k, v), grad)
+            result = common.attempt(f"{kind}-{backend} {shape}", common.bench, fn, (q, k, v), grad)
             if result is None:
                 continue
             extra = dict(info)
@@ -156,7 +148,7 @@ def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"
     ):
         candidates = [(default_config(HEAD_DIM, is_backward), True), *((c, False) for c in configs)]
         directions.append((is_backward, candidates, run, want))
-    sweep_launches(table, shape, which, directions, pairs * (HEADS // GROUPS), HEAD_DIM)
+    common.sweep_launches(table, shape, which, directions, pairs * (HEADS // GROUPS), HEAD_DIM)
 
 
 def main(argv=None):
@@ -167,12 +159,12 @@ def main(argv=None):
     )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    add_sweep_gather_argument(parser)
+    common.add_sweep_gather_argument(parser)
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
-    require_cuda("bench_sparse_region_attention")
+    common.require_cuda("bench_sparse_region_attention")
     lengths = args.lengths or ([8192] if args.quick else [32768, 65536])
-    table = Table(args.json, shape_width=24)
+    table = common.Table(args.json, shape_width=24)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for length in lengths:
         run_length(table, length, gen, args.kinds, args.backends, args.sweep_gather)
