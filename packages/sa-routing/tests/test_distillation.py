@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from distillation_cases import assert_matches_oracle, seeded
 from qsa_cases import document_positions as qsa_document_positions
 from qsa_cases import small_indexer
 from step5_cases import document_positions
@@ -37,23 +38,11 @@ from sa_routing.step5.summaries.reference import reference_summaries
 MODES = ["dense_warmup", "sparse"]
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _assert_matches_oracle(loss, grads, oracle, oracle_grads) -> None:
-    assert oracle.item() > 0  # the case has sparse queries with a real target
-    torch.testing.assert_close(loss.double(), oracle, rtol=2e-5, atol=1e-7)
-    for got, want in zip(grads, oracle_grads, strict=True):
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=2e-5 * scale + 1e-9)
-
-
 # -- QSA ----------------------------------------------------------------------------------------------
 
 
 def _qsa_tensors(seed, batch, queries, total, blocks, heads=4, kv_heads=2, index_heads=3):
-    g = _generator(seed)
+    g = seeded(seed)
     query = torch.randn(batch, queries, heads, 8, generator=g)
     key = torch.randn(batch, total, kv_heads, 8, generator=g)
     index_queries = torch.randn(batch, queries, index_heads, 6, generator=g).requires_grad_()
@@ -104,7 +93,7 @@ def test_qsa_loss_and_gradients_equal_the_float64_oracle(mode, case, blocks) -> 
         query, key, iq, ck, **common, query_block=blocks[0], key_block=blocks[1]
     )
     oracle, _ = qsa_indexer_distillation_loss_reference(query, key, iq, ck, **common)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, (iq, ck)), oracle, torch.autograd.grad(oracle, (iq, ck))
     )
 
@@ -142,7 +131,7 @@ def _csa_layout() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _csa_tensors(seed, batch, queries, total, regions, groups=2, heads_per_group=3, kv_heads=2):
-    g = _generator(seed)
+    g = seeded(seed)
     query = torch.randn(batch, queries, 4, 8, generator=g)
     key = torch.randn(batch, total, kv_heads, 8, generator=g)
     iq = torch.randn(batch, queries, groups, heads_per_group, 6, generator=g).requires_grad_()
@@ -202,7 +191,7 @@ def test_csa_loss_and_gradients_equal_the_float64_oracle(mode, case, blocks) -> 
         softmax_scale=0.4,
     )
     inputs = (iq, iw, summaries)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, inputs), oracle, torch.autograd.grad(oracle, inputs)
     )
 
@@ -326,7 +315,7 @@ def _step5_indexer(dtype: torch.dtype, seed: int = 0) -> Step5SparseIndexer:
 def test_qsa_training_projections_equal_the_routing_projections_in_fp32(packed) -> None:
     indexer = small_indexer(torch.float32)
     cu = (0, 20, 23, 53) if packed else None
-    hidden = torch.randn(1 if packed else 2, 53, 40, generator=_generator(1))
+    hidden = torch.randn(1 if packed else 2, 53, 40, generator=seeded(1))
     positions = qsa_document_positions(cu, 53) if packed else torch.arange(53)
     freqs = rotary_table(positions, 8)[None]
     torch.testing.assert_close(
@@ -345,7 +334,7 @@ def test_step5_training_projections_equal_the_reference_before_its_roundings() -
     the checkpoint path by its E4M3 rounding only (3 mantissa bits)."""
     indexer = _step5_indexer(torch.float32)
     pos, pad = _csa_layout()
-    hidden = torch.randn(2, 64, 24, generator=_generator(2))
+    hidden = torch.randn(2, 64, 24, generator=seeded(2))
     keys, logits = indexer.training_keys(hidden, pos)
     want_keys, want_logits = reference_project_keys(indexer, hidden, pos)
     torch.testing.assert_close(keys, want_keys, rtol=1e-5, atol=1e-5)
@@ -378,7 +367,7 @@ def _frozen_main(hidden: torch.Tensor, heads: int, kv_heads: int, dim: int, seed
 @pytest.mark.parametrize("mode", MODES)
 def test_qsa_loss_trains_every_indexer_parameter_and_nothing_else(mode) -> None:
     indexer = small_indexer(torch.float32, seed=3).requires_grad_(True)
-    hidden = torch.randn(2, 45, 40, generator=_generator(3)).requires_grad_()
+    hidden = torch.randn(2, 45, 40, generator=seeded(3)).requires_grad_()
     freqs = rotary_table(torch.arange(45), 8)[None]
     proj, query, key = _frozen_main(hidden, 4, 2, 8, seed=4)
     routes = indexer(hidden, freqs) if mode == "sparse" else None
@@ -403,7 +392,7 @@ def test_qsa_loss_trains_every_indexer_parameter_and_nothing_else(mode) -> None:
 def test_csa_loss_trains_every_indexer_parameter_and_nothing_else(mode) -> None:
     indexer = _step5_indexer(torch.bfloat16, seed=5).requires_grad_(True)
     pos, pad = _csa_layout()
-    hidden = torch.randn(2, 64, 24, generator=_generator(5)).to(torch.bfloat16).requires_grad_()
+    hidden = torch.randn(2, 64, 24, generator=seeded(5)).to(torch.bfloat16).requires_grad_()
     proj, query, key = _frozen_main(hidden.float(), 4, 2, 8, seed=6)
     m = region_metadata(pos, pad, 0, 64, 3, 2)
     keys, logits = indexer.training_keys(hidden, pos)
@@ -431,7 +420,7 @@ def test_csa_loss_trains_every_indexer_parameter_and_nothing_else(mode) -> None:
 def test_frozen_indexer_tensors_give_a_loss_without_gradients() -> None:
     """The default frozen indexer: the loss is computed (for logging) and carries no graph."""
     indexer = small_indexer(torch.float32, seed=7)
-    hidden = torch.randn(1, 40, 40, generator=_generator(7))
+    hidden = torch.randn(1, 40, 40, generator=seeded(7))
     freqs = rotary_table(torch.arange(40), 8)[None]
     query, key = torch.randn(1, 40, 2, 8), torch.randn(1, 40, 1, 8)
     iq, ck = indexer.training_queries(hidden, freqs), indexer.training_keys(hidden, freqs)
@@ -449,7 +438,7 @@ def _qsa_exact_case(seed: int):
     """Main keys constant within each block, one main head: the target of block u is
     `∝ exp(scale · q · k_u)`. Index query `[a·q, β]`, block key `[k_u, 1]` give logits
     `(a·q·k_u + β) / sqrt(D + 1)` (all dots positive): the target's logits when a = scale·sqrt(D + 1)."""
-    g = _generator(seed)
+    g = seeded(seed)
     total, c, dim, scale = 40, 4, 8, 0.3
     query = torch.randn(1, total, 1, dim, generator=g)
     block_keys = torch.randn(1, total // c, dim, generator=g)
@@ -482,7 +471,7 @@ def test_csa_loss_is_zero_when_the_indexer_reproduces_the_target_and_positive_ot
     """Main keys constant within each (region, KV group), one main head per group: group g's target
     of region r is `∝ exp(scale · q_g · k_rg)` (historical regions are full). Summary
     `[k_r0, k_r1, 1]`, group g's index query `[a·q_g in its slot, β]`, weight 1: the same logits."""
-    g = _generator(9)
+    g = seeded(9)
     pos, pad = document_positions([40, 26], 66)
     pos, pad = pos[None], pad[None]
     m = region_metadata(pos, pad, 0, 66, 3, 2)
@@ -644,7 +633,7 @@ CP_LENGTH, CP_DOCUMENTS = 90, (0, 20, 22, 59, 85)  # documents straddle the shar
 
 
 def _qsa_cp_inputs(packed: bool):
-    g = _generator(13)
+    g = seeded(13)
     batch = 1 if packed else 2
     hidden = torch.randn(batch, CP_LENGTH, 40, generator=g)
     positions = (
@@ -712,7 +701,7 @@ def test_qsa_indexer_gradients_summed_over_2_ranks_equal_one_process(packed) -> 
 
 def _csa_cp_inputs():
     pos, pad = _csa_layout()
-    g = _generator(15)
+    g = seeded(15)
     hidden = torch.randn(2, 64, 24, generator=g)
     return (
         pos,

@@ -4,6 +4,7 @@ tied keys, over documents, padding and CP shards; and no tensor indexed by every
 
 import pytest
 import torch
+from distillation_cases import assert_matches_oracle, seeded
 from step5_cases import document_positions
 from test_distillation import _LargestOutput
 
@@ -23,18 +24,6 @@ from sa_routing.step5.selection.reference import reference_select_regions
 BACKENDS = ["torch", "triton"]
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _assert_matches_oracle(loss, grads, oracle, oracle_grads) -> None:
-    assert oracle.item() > 0  # the case has sparse queries with a real target
-    torch.testing.assert_close(loss.double(), oracle, rtol=2e-5, atol=1e-7)
-    for got, want in zip(grads, oracle_grads, strict=True):
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=2e-5 * scale + 1e-9)
-
-
 QSA_CASES = {
     # name: (batch, queries, total, query_start, lengths, cu_seqlens)
     "padded-B2-S27": (2, 27, 27, 0, [27, 20], None),
@@ -50,7 +39,7 @@ def test_qsa_slot_loss_with_repeated_blocks_and_tied_keys_equals_the_oracle(back
     batch, queries, total, start, lengths, cu = QSA_CASES[case]
     c, budget = 3, 9
     units = packed_block_starts(cu, c)[-1] if cu else total // c
-    g = _generator(len(case))
+    g = seeded(len(case))
     query = torch.randn(batch, queries, 4, 8, generator=g)
     key = torch.randn(batch, total, 2, 8, generator=g)
     key[:, 3:6] = key[:, 0:3]  # blocks 0 and 1 of the first document: equal keys
@@ -81,7 +70,7 @@ def test_qsa_slot_loss_with_repeated_blocks_and_tied_keys_equals_the_oracle(back
     )
     loss = qsa_indexer_distillation_loss(query, key, iq, ck, **common, backend=backend)
     oracle, _ = qsa_indexer_distillation_loss_reference(query, key, iq, ck, **common)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, (iq, ck)), oracle, torch.autograd.grad(oracle, (iq, ck))
     )
 
@@ -107,7 +96,7 @@ def test_csa_slot_loss_with_repeats_invalid_ids_and_foreign_regions_equals_the_o
     region, topk = 3, 3
     pos, pad = _csa_layout()
     m = region_metadata(pos, pad, start, queries, region, topk, tile_size=8)
-    g = _generator(start + queries)
+    g = seeded(start + queries)
     query = torch.randn(2, queries, 4, 8, generator=g)
     key = torch.randn(2, 36, 2, 8, generator=g)
     iq = torch.randn(2, queries, 2, 3, 6, generator=g).requires_grad_()
@@ -131,7 +120,7 @@ def test_csa_slot_loss_with_repeats_invalid_ids_and_foreign_regions_equals_the_o
         region_ids=ids, query_start=start, softmax_scale=0.4,
     )  # fmt: skip
     inputs = (iq, iw, summaries)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, inputs), oracle, torch.autograd.grad(oracle, inputs)
     )
 
@@ -141,7 +130,7 @@ def test_no_tensor_of_a_2k_token_sparse_loss_is_indexed_by_every_unit() -> None:
     `[queries, 16]` or one tile's gathered keys exists in the forward or the backward; a tile of 128
     queries against every block (131k elements) already exceeds that bound."""
     total, c, budget, query_block = 2048, 2, 32, 128
-    g = _generator(11)
+    g = seeded(11)
     query = torch.randn(1, total, 2, 8, generator=g)
     key = torch.randn(1, total, 1, 8, generator=g)
     iq = torch.randn(1, total, 2, 6, generator=g).requires_grad_()

@@ -4,6 +4,7 @@ ids), and on CUDA against the blockwise PyTorch path at the reference geometries
 
 import pytest
 import torch
+from distillation_cases import assert_matches_oracle, seeded
 from step5_cases import document_positions
 
 from sa_routing import (
@@ -23,18 +24,6 @@ from sa_routing.step5.selection.reference import reference_select_regions
 
 MODES = ["dense_warmup", "sparse"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _assert_matches_oracle(loss, grads, oracle, oracle_grads, rtol=2e-5) -> None:
-    assert oracle.item() > 0  # the case has sparse queries with a real target
-    torch.testing.assert_close(loss.double(), oracle, rtol=rtol, atol=1e-7)
-    for got, want in zip(grads, oracle_grads, strict=True):
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=rtol * scale + 1e-9)
 
 
 # -- kernels against explicit sums ---------------------------------------------------------------
@@ -75,7 +64,7 @@ def test_dense_kernels_equal_explicit_softmax_mass_per_unit(dtype, heads, kv_hea
     on each unit of 3 (c = 3: one padded slot per unit), restricted to each query's candidates; a
     CP-style shard (queries from row 9) with documents 17 + 13 and 6 padding rows."""
     total, query_start, queries, scale = 36, 9, 27, 0.3
-    g = _generator(heads * 10 + dim)
+    g = seeded(heads * 10 + dim)
     query = torch.randn(1, queries, heads, dim, generator=g).to(dtype)
     key = torch.randn(1, total, kv_heads, dim, generator=g).to(dtype)
     docs = _documents([17, 13], total)
@@ -153,7 +142,7 @@ def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the
     suffix start up to the query); each first occurrence gets its unit's mass, repeats and invalid
     ids get 0."""
     heads, kv_heads, groups, dim, total, scale = 6, 2, 2, 20, 40, 0.35
-    g = _generator(7)
+    g = seeded(7)
     query = torch.randn(total, heads, dim, generator=g)
     key = torch.randn(total, kv_heads, dim, generator=g)
     docs = _documents([40], total)
@@ -218,7 +207,7 @@ def test_sparse_kernel_counts_each_selected_unit_once_and_adds_the_suffix_to_the
 
 
 def _qsa_tensors(seed, batch, queries, total, blocks, heads=4, kv_heads=2, dim=8):
-    g = _generator(seed)
+    g = seeded(seed)
     query = torch.randn(batch, queries, heads, dim, generator=g)
     key = torch.randn(batch, total, kv_heads, dim, generator=g)
     index_queries = torch.randn(batch, queries, 3, 6, generator=g).requires_grad_()
@@ -267,7 +256,7 @@ def test_triton_qsa_loss_and_gradients_equal_the_float64_oracle(mode, case) -> N
         query, key, iq, ck, **common, query_block=9, backend="triton"
     )
     oracle, _ = qsa_indexer_distillation_loss_reference(query, key, iq, ck, **common)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, (iq, ck)), oracle, torch.autograd.grad(oracle, (iq, ck))
     )
 
@@ -307,7 +296,7 @@ def _csa_case(start: int, queries: int):
     pos = torch.stack([r[0] for r in rows])
     pad = torch.stack([r[1] for r in rows])
     metadata = region_metadata(pos, pad, start, queries, 3, 2, tile_size=8)
-    g = _generator(start + queries)
+    g = seeded(start + queries)
     query = torch.randn(2, queries, 4, 8, generator=g)
     key = torch.randn(2, 36, 2, 8, generator=g)
     iq = torch.randn(2, queries, 2, 3, 6, generator=g).requires_grad_()
@@ -336,7 +325,7 @@ def test_triton_csa_loss_and_gradients_equal_the_float64_oracle(mode, start, que
         region_ids=selection, query_start=start, softmax_scale=0.4,
     )  # fmt: skip
     inputs = (iq, iw, summaries)
-    _assert_matches_oracle(
+    assert_matches_oracle(
         loss, torch.autograd.grad(loss, inputs), oracle, torch.autograd.grad(oracle, inputs)
     )
 

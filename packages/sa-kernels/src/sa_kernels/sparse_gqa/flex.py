@@ -110,19 +110,8 @@ def flex_attend(
     if return_lse:
         from torch.nn.attention.flex_attention import AuxRequest
 
-        out, aux = attention(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            block_mask=block_mask.flex,
-            scale=scale,
-            enable_gqa=True,
-            return_aux=AuxRequest(lse=True),
-            **extra,
-        )
-        lse = aux.lse.detach().float().transpose(1, 2).contiguous()
-        return out.transpose(1, 2).contiguous(), lse
-    out = attention(
+        extra["return_aux"] = AuxRequest(lse=True)
+    result = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
@@ -131,4 +120,7 @@ def flex_attend(
         enable_gqa=True,
         **extra,
     )
-    return out.transpose(1, 2).contiguous()
+    if not return_lse:
+        return result.transpose(1, 2).contiguous()
+    out, aux = result
+    return out.transpose(1, 2).contiguous(), aux.lse.detach().float().transpose(1, 2).contiguous()

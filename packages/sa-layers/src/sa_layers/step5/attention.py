@@ -541,25 +541,21 @@ def _flex(
         from torch.nn.attention.flex_attention import flex_attention as attention
     else:
         attention = _compiled_flex()
+    extra = {}
     if return_lse:
         from torch.nn.attention.flex_attention import AuxRequest
 
-        out, aux = attention(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=True,
-            return_aux=AuxRequest(lse=True),
-        )
-        return out.transpose(1, 2), aux.lse.detach().float().transpose(1, 2).contiguous()
-    out = attention(
+        extra["return_aux"] = AuxRequest(lse=True)
+    result = attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
         block_mask=block_mask,
         scale=scale,
         enable_gqa=True,
+        **extra,
     )
-    return out.transpose(1, 2)
+    if not return_lse:
+        return result.transpose(1, 2)
+    out, aux = result
+    return out.transpose(1, 2), aux.lse.detach().float().transpose(1, 2).contiguous()
