@@ -3,10 +3,10 @@ replay under checkpointing, context parallelism and sparsifying a dense model (C
 
 import functools
 
+import model_checks as checks
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sa_cp.testing import run_on_ranks
 from sa_kernels import sparse_region_attention
@@ -40,15 +40,20 @@ def indexer_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters() if ".indexer." in name}
 
 
-def run(model: Step5Model, stage: str, with_indexer_loss: bool = True):
-    """One training step of `stage`: the LM loss (sparse stage) plus the indexer loss."""
+def _step_loss(model: Step5Model, stage: str, with_indexer_loss: bool = True):
+    """(model output, the loss a training step of `stage` backpropagates: the LM loss (sparse
+    stage) plus the indexer loss)."""
     model.set_indexer_training(stage)
     positions, padding = packed_positions()
     out = model(token_ids(), positions, padding, labels=token_ids(seed=7))
     if stage == "dense_warmup":
-        total = out.indexer_loss
-    else:
-        total = out.loss + out.indexer_loss if with_indexer_loss else out.loss
+        return out, out.indexer_loss
+    return out, out.loss + out.indexer_loss if with_indexer_loss else out.loss
+
+
+def run(model: Step5Model, stage: str, with_indexer_loss: bool = True):
+    """One training step of `stage` (see `_step_loss`); returns the model output."""
+    out, total = _step_loss(model, stage, with_indexer_loss)
     total.backward()
     return out
 
@@ -176,30 +181,10 @@ def test_model_indexer_loss_is_the_sum_of_its_csa_layers_losses():
 # -- route replay under activation checkpointing ---------------------------------------------------------
 
 
-def _recompute_everything_but_matmuls(ctx, op, *args, **kwargs):
-    return (
-        CheckpointPolicy.MUST_SAVE
-        if op == torch.ops.aten.mm.default
-        else CheckpointPolicy.PREFER_RECOMPUTE
-    )
-
-
 def checkpointed_step(stage: str, checkpointing: str):
-    model = tiny_model()
-    calls = [0]
-    for indexer in model.indexers():
-        indexer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    if checkpointing == "full":
-        model.enable_activation_checkpointing()
-    elif checkpointing == "selective":
-        model.enable_activation_checkpointing(
-            functools.partial(
-                create_selective_checkpoint_contexts, _recompute_everything_but_matmuls
-            )
-        )
-    out = run(model, stage)
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    return out.indexer_loss.detach(), grads, calls[0]
+    return checks.checkpointed_step(
+        tiny_model(), checkpointing, lambda model: _step_loss(model, stage)[1]
+    )
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective"])

@@ -272,5 +272,7 @@ def slot_distillation_sum(
             d_queries[b, q0:q1] += (d_dots @ keys).transpose(0, 1)
         if want_k:
             d_slots = d_dots.transpose(-1, -2) @ queries  # [G, rows, K, Di]
+            # CUDA adds atomically (summation order varies between runs) unless
+            # torch.use_deterministic_algorithms(True) asks for its deterministic path.
             d_keys[b].index_add_(0, ids.flatten(), d_slots.flatten(0, 2))
     return total, (d_queries, d_weights, d_keys)
