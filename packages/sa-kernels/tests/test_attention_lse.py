@@ -204,8 +204,8 @@ def test_eager_flex_lse_is_natural_log_in_our_layout(op):
         mask = build_region_block_mask(ids, sources, kv_length, 4, query_start=25, build_flex=True)
         visible = _region_visibility(ids, sources, kv_length, 25)
     q, k, v = q.detach(), k.detach(), v.detach()
-    out, lse = flex_attend(flex_attention, q, k, v, mask, SCALE, return_lse=True)
-    assert torch.equal(out, flex_attend(flex_attention, q, k, v, mask, SCALE))
+    out, lse = flex_attend(flex_attention, q, k, v, mask.flex, SCALE, return_lse=True)
+    assert torch.equal(out, flex_attend(flex_attention, q, k, v, mask.flex, SCALE))
     assert lse.shape == (1, 12, 4) and lse.is_contiguous()
     _assert_lse(lse, _dense_lse(q, k, visible, SCALE), rows_empty=3 if op == "gqa" else 2)
 

@@ -283,7 +283,7 @@ def test_eager_flex_over_route_block_mask_matches_oracle(per_group):
     )  # one full tile (routes need not be causal)
     ids = ids if per_group else ids[:, 0]
     mask = build_route_block_mask(ids, 261, 4)
-    out = flex_attend(flex_attention, q, k, v, mask, 0.3)
+    out = flex_attend(flex_attention, q, k, v, mask.flex, 0.3)
     ref = sparse_gqa_attention_reference(q, k, v, ids, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert mask.flex.full_kv_num_blocks.sum() > 0 and mask.flex.kv_num_blocks.sum() > 0
@@ -305,7 +305,7 @@ def test_compiled_flex_on_cpu_matches_oracle_and_new_routes_reuse_the_compiled_k
         ids[..., :128, :128] = torch.arange(128, 256, dtype=torch.int32)  # a full tile
         mask = build_route_block_mask(ids, 300, 8)
         with torch._dynamo.config.patch(error_on_recompile=seed > 0):
-            out = flex_attend(compiled, q, k, v, mask, 0.2)
+            out = flex_attend(compiled, q, k, v, mask.flex, 0.2)
         ref = sparse_gqa_attention_reference(q, k, v, ids, 0.2)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -351,7 +351,7 @@ def test_eager_flex_over_region_block_mask_matches_oracle(groups):
     )  # fmt: skip
     ids[..., 7, :] = sources.shape[1]  # a row with no region
     mask = build_region_block_mask(ids, sources, 290, 4, query_start=90)
-    out = flex_attend(flex_attention, q, k, v, mask, 0.3)
+    out = flex_attend(flex_attention, q, k, v, mask.flex, 0.3)
     ref = sparse_region_attention_reference(q, k, v, ids, sources, 90, 0.3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert out[:, 7].abs().max() == 0

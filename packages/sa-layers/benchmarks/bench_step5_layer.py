@@ -367,7 +367,7 @@ def main() -> None:
     if args.smoke:
         setup = SMOKE
         # Flex runs eagerly on the CPU (its unfused path): no compiler, forward only
-        step5_attention._compiled_flex = lambda: flex_attention
+        step5_attention.compiled_flex = lambda: flex_attention
         lengths, swa_length, model_lengths = [256], 256, [256]
     else:
         if not torch.cuda.is_available():

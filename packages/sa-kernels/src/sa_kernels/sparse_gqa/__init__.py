@@ -319,7 +319,14 @@ def _attention(
                 bitmap_mask=block_mask.tile_statistics().causal_offset is None,
             )
         return flex_attend(
-            compiled_flex(), query, key, value, block_mask, scale, options, return_lse=return_lse
+            compiled_flex(),
+            query,
+            key,
+            value,
+            block_mask.flex,
+            scale,
+            options,
+            return_lse=return_lse,
         )
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     return _GatherAttention.apply(

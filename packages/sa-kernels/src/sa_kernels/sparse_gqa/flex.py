@@ -96,10 +96,10 @@ def flex_attend(
     *,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`attention` (flex_attention, compiled or not) over `block_mask.flex` in our layout.
+    """`attention` (flex_attention, compiled or not) over a Flex `BlockMask` in our layout.
 
     query: [batch, queries, query_heads, head_dim]; key, value: [batch, kv_length, kv_heads,
-    head_dim]; block_mask: a `RouteBlockMask` or `RegionBlockMask` holding its Flex BlockMask.
+    head_dim]; block_mask: a Flex `BlockMask` (a `RouteBlockMask`'s or `RegionBlockMask`'s `.flex`).
     Returns [batch, queries, query_heads, head_dim], contiguous; with `return_lse`, `(out, lse)`:
     lse float32 [batch, queries, query_heads], contiguous and detached, Flex's log-sum-exp
     (`return_aux=AuxRequest(lse=True)`; natural log in every torch release that has `AuxRequest`:
@@ -115,7 +115,7 @@ def flex_attend(
         query.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
-        block_mask=block_mask.flex,
+        block_mask=block_mask,
         scale=scale,
         enable_gqa=True,
         **extra,

@@ -336,7 +336,14 @@ def sparse_region_attention(
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
         options = flex_kernel_options(head_dim, query.dtype, query.device.type, capability)
         return flex_attend(
-            compiled_flex(), query, key, value, block_mask, scale, options, return_lse=return_lse
+            compiled_flex(),
+            query,
+            key,
+            value,
+            block_mask.flex,
+            scale,
+            options,
+            return_lse=return_lse,
         )
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{fn}: backend='gather' takes head_dim <= {MAX_HEAD_DIM}; got {head_dim}")

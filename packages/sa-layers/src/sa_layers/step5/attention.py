@@ -3,7 +3,6 @@ or dense causal (SEMANTICS §1.1–§1.2, §5)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +11,7 @@ from torch.nn import functional as F
 
 from sa_cp import RecomputeReplay, gather_halo, gather_no_grad, gather_sequence
 from sa_kernels import grouped_rms_norm, sparse_region_attention
+from sa_kernels.sparse_gqa.flex import compiled_flex, flex_attend
 from sa_kernels.sparse_region_attention import RegionBlockMask, build_region_block_mask
 from sa_kernels.sparse_region_attention.triton_kernels import MAX_HEAD_DIM
 from sa_routing import (
@@ -522,40 +522,17 @@ def masked_attention(
     return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
 
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def _flex(
     query, key, value, block_mask, scale: float, *, return_lse: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Compiled FlexAttention over a block mask of the batch, in our [B, tokens, heads, D] layout
-    (rows with no visible key give 0). Inside a torch.compile'd model the plain `flex_attention`
-    is traced into the model's graph (Inductor compiles it) instead of nesting a compile. With
-    `return_lse`, `(out, lse)`: lse float32 [B, tokens, heads], Flex's natural log-sum-exp
-    (`return_aux=AuxRequest(lse=True)`), detached, −inf on a row with no visible key."""
+    """FlexAttention over a Flex block mask of the batch, in our [B, tokens, heads, D] layout
+    (`sa_kernels`' `flex_attend`; rows with no visible key give 0), compiled once per process.
+    Inside a torch.compile'd model the plain `flex_attention` is traced into the model's graph
+    (Inductor compiles it) instead of nesting a compile. With `return_lse`, `(out, lse)`: lse
+    float32 [B, tokens, heads], Flex's natural log-sum-exp, detached, −inf on a row with no
+    visible key."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as attention
     else:
-        attention = _compiled_flex()
-    extra = {}
-    if return_lse:
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        extra["return_aux"] = AuxRequest(lse=True)
-    result = attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=True,
-        **extra,
-    )
-    if not return_lse:
-        return result.transpose(1, 2)
-    out, aux = result
-    return out.transpose(1, 2), aux.lse.detach().float().transpose(1, 2).contiguous()
+        attention = compiled_flex()
+    return flex_attend(attention, query, key, value, block_mask, scale, return_lse=return_lse)
