@@ -58,20 +58,35 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layer_types", [("qsa", "qsa"), ("qsa", "dense")], ids=["qsa", "mixed"])
 def test_compiled_qsa_model_forward_and_backward_equal_eager(layer_types):
     """torch.compile (Inductor) of the whole model: route selection and sparse attention run
-    outside the graph (`QSAAttention.routed_attention`), the rest compiles; bf16 tolerance."""
+    outside the graph (`QSAAttention.routed_attention`), the rest compiles; bf16 tolerance.
+
+    Inductor's fused norms round differently from the eager kernels, which can flip near-tie
+    blocks in a later layer's top-k; the compiled run therefore takes the eager run's routes
+    (forward hooks on the indexers replace their output), so that what is compared is the
+    compiled arithmetic over the same routes."""
     torch._dynamo.reset()
     model = gpu_model("auto", layers=2, layer_types=layer_types)
     ids = torch.randint(
         0, 512, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(2)
     )
-    results = []
-    for run in (model, torch.compile(model)):
+
+    def forward_backward(run):
         model.zero_grad(set_to_none=True)
         out = run(ids, labels=ids)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((out.logits.detach(), out.loss.detach(), grads))
-    (logits, loss, grads), (c_logits, c_loss, c_grads) = results
+        return out.logits.detach(), out.loss.detach(), grads
+
+    eager_routes: list[torch.Tensor] = []
+    hooks = [
+        indexer.register_forward_hook(lambda _m, _i, out: eager_routes.append(out))
+        for indexer in model.indexers()
+    ]
+    logits, loss, grads = forward_backward(model)
+    for hook, indexer, routes in zip(hooks, model.indexers(), eager_routes, strict=True):
+        hook.remove()
+        indexer.register_forward_hook(lambda _m, _i, _out, routes=routes: routes)
+    c_logits, c_loss, c_grads = forward_backward(torch.compile(model))
     torch.testing.assert_close(c_logits.float(), logits.float(), rtol=2e-2, atol=2e-2)
     assert abs(c_loss.item() - loss.item()) < 1e-2
     assert c_grads.keys() == grads.keys()

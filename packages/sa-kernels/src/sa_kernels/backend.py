@@ -93,7 +93,9 @@ def resolve_backend(
 ) -> Literal["triton", "reference"]:
     """Pick `"triton"` or `"reference"` for `op`, or raise saying why the requested one cannot run.
 
-    auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU.
+    auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU, and the
+    reference while torch.compile traces (Inductor fuses its PyTorch ops into its own kernels; a
+    hand-written Triton launch inside a traced graph breaks it on symbolic shapes).
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"{op}: backend must be 'auto', 'triton' or 'reference'; got {backend!r}")
@@ -104,6 +106,8 @@ def resolve_backend(
     if backend == "reference":
         return "reference"
     if backend == "auto":
+        if torch.compiler.is_compiling():
+            return "reference"
         return "triton" if on_cuda and has_triton() else "reference"
     device = torch.device(next(iter(devices), "cpu"))
     reason = triton_unavailable_reason(device, named=str(sorted(devices)))
