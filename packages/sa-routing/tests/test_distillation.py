@@ -520,17 +520,19 @@ def test_calls_without_a_sparse_query_give_zero_and_zero_gradients() -> None:
 
 
 class _LargestOutput(TorchDispatchMode):
-    """Records the largest element count of any tensor an op produces."""
+    """Records the largest element count, and the largest size in bytes, of any tensor an op
+    produces."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.numel = 0
+        self.numel = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.numel = max(self.numel, t.numel())
+                self.bytes = max(self.bytes, t.numel() * t.element_size())
         return out
 
 

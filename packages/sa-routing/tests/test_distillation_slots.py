@@ -1,6 +1,7 @@
 """The sparse-stage losses in the slot layout: both backends (Triton through its interpreter) against
 the float64 oracle on selections with repeats, -1 and sentinel ids, regions of other documents and
-tied keys, over documents, padding and CP shards; and no tensor indexed by every unit."""
+tied keys, over documents, padding and CP shards; the slot sort in chunks; and no tensor indexed by
+every unit or as large as the selection in int64."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from sa_routing import (
     region_metadata,
     select_qsa_token_ids,
 )
+from sa_routing.distillation import slots
 from sa_routing.distillation.reference import (
     csa_indexer_distillation_loss_reference,
     qsa_indexer_distillation_loss_reference,
@@ -151,3 +153,62 @@ def test_no_tensor_of_a_2k_token_sparse_loss_is_indexed_by_every_unit() -> None:
         loss.backward()
     assert loss.item() > 0 and iq.grad.abs().sum() > 0 and ck.grad.abs().sum() > 0
     assert record.numel <= bound, (record.numel, bound)
+
+
+def _sorted_slots_at_once(ids, units, exclude):
+    keep = (ids >= 0) & (ids < units) & (ids != exclude)
+    ordered = torch.where(keep, ids, units).sort(dim=-1).values
+    previous = torch.nn.functional.pad(ordered[..., :-1], (1, 0), value=-1)
+    return ordered.to(torch.int32), (ordered < units) & (ordered != previous)
+
+
+@pytest.mark.parametrize("per_query_exclude", [True, False], ids=["exclude-per-query", "exclude-1"])
+def test_slots_sorted_in_chunks_equal_one_sort(monkeypatch, per_query_exclude) -> None:
+    """Chunks of 3 query rows (of 2 x 3 x 10 rows): -1, sentinel and int64 ids beyond int32 (2^32 + 3
+    would wrap to the valid id 3), repeats, and excluded ids, against one sort of the whole."""
+    monkeypatch.setattr(slots, "_SORT_ELEMENTS", 3 * 6 * 7)
+    units = 9
+    g = seeded(5)
+    ids = torch.randint(-1, units + 2, (2, 3, 10, 7), generator=g)
+    ids[:, :, ::2, 1] = ids[:, :, ::2, 0]
+    ids[0, 1, 4, 2] = 2**32 + 3
+    shape = (2, 1, 10, 1) if per_query_exclude else (1, 1, 1, 1)
+    exclude = torch.randint(-1, units, shape, generator=g)
+    got = slots.sorted_slots(ids, units, exclude=exclude)
+    want = _sorted_slots_at_once(ids, units, exclude)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].any() and not got[1].all()
+
+
+def test_no_tensor_of_a_4k_token_csa_sparse_loss_outgrows_the_selection_in_bytes(
+    monkeypatch,
+) -> None:
+    """4096 tokens, top-16 regions of 8 per group: the selection is int32 [1, 2, 4096, 17]; no tensor
+    of the forward or backward takes more bytes than it, an input or a tile of 64 queries (an
+    int64 copy of the selection would take twice its bytes)."""
+    monkeypatch.setattr(slots, "_SORT_ELEMENTS", 1 << 12)
+    total, region, topk, groups = 4096, 8, 16, 2
+    pos, pad = document_positions([total], total)
+    m = region_metadata(pos[None], pad[None], 0, total, region, topk)
+    g = seeded(13)
+    query = torch.randn(1, total, 4, 8, generator=g)
+    key = torch.randn(1, total, groups, 8, generator=g)
+    iq = torch.randn(1, total, groups, 2, 6, generator=g).requires_grad_()
+    iw = torch.randn(1, total, groups, 2, generator=g).requires_grad_()
+    summaries = torch.randn(1, m.region_count, 6, generator=g).requires_grad_()
+    ids = reference_select_regions(
+        iq.detach(), iw.detach(), summaries.detach(), pos[None], pad[None], 0, region, topk
+    ).to(torch.int32)
+    inputs = max(t.numel() * t.element_size() for t in (query, key, iq, iw, summaries, ids))
+    # one tile of 64 queries, FP32: main keys of one (group, KV head), or every group's index keys
+    tile = 64 * (topk + 1) * max(region * 8, groups * 6) * 4
+    bound = max(inputs, tile, 8 * (1 << 12))
+    assert bound < 2 * ids.numel() * ids.element_size()
+    with _LargestOutput() as record:
+        loss = csa_indexer_distillation_loss(
+            query, key, iq, iw, summaries, m, mode="sparse", selection=ids, query_block=64,
+            backend="torch",
+        )  # fmt: skip
+        loss.backward()
+    assert loss.item() > 0 and iq.grad.abs().sum() > 0 and summaries.grad.abs().sum() > 0
+    assert record.bytes <= bound, (record.bytes, bound)

@@ -18,7 +18,9 @@ occurrence of a valid unit, so a repeated unit counts once. Per tile of query ro
 Memory: a tile holds at most `_SLOT_ELEMENTS` (64M, 256 MiB FP32) elements in its largest gathered
 tensor (`[G, rows, K, index_dim]` unit keys; on the PyTorch path also `[rows, K · UNIT, head_dim]`
 main keys of one (group, KV head)), or one query's row where that is larger; the target and logits
-are `[G, rows, K]`. No tensor is indexed by all units.
+are `[G, rows, K]`. No tensor is indexed by all units. The slot layout itself (int32 ids and bool
+validity, `[B, G, Q, K]`) is sorted `_SORT_ELEMENTS` ids at a time, so its int64 temporaries stay
+small beside the selection.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .blockwise import DistillationTile
 
 _NEG_INF = float("-inf")
 _SLOT_ELEMENTS = 1 << 26  # elements of a tile's largest gathered tensor (256 MiB FP32)
+_SORT_ELEMENTS = 1 << 24  # ids sorted at once by `sorted_slots` (its int64 sort indices: 128 MiB)
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,29 @@ class SlotProblem:
     backend: str = "torch"
 
 
-def sorted_slots(ids: torch.Tensor, units: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 sorted ids, bool valid) of int ids [..., K] whose invalid entries are `units` or
-    outside `[0, units)`: ascending, invalid last, valid where a unit's first occurrence."""
-    ordered = torch.where((ids >= 0) & (ids < units), ids, units).sort(dim=-1).values
-    previous = torch.nn.functional.pad(ordered[..., :-1], (1, 0), value=-1)
-    return ordered.to(torch.int32), (ordered < units) & (ordered != previous)
+def sorted_slots(
+    ids: torch.Tensor, units: int, exclude: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 sorted ids, bool valid) of int ids [..., Q, K] whose invalid entries are `units` or
+    outside `[0, units)`, and also, with `exclude` (int, broadcastable to `ids`' shape with size 1
+    or Q on the query axis), those equal to it: ascending, invalid last, valid where a unit's first
+    occurrence. Sorted `_SORT_ELEMENTS` ids at a time along the query axis, in int32, so that the
+    temporaries stay a fraction of the routes however long the sequence."""
+    slots = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    valid = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+    rows = max(1, _SORT_ELEMENTS // max(ids[..., :1, :].numel(), 1))
+    for q0 in range(0, ids.shape[-2], rows):
+        part = ids[..., q0 : q0 + rows, :]
+        keep = (part >= 0) & (part < units)  # before the int32 cast: no id wraps into range
+        if exclude is not None:
+            excluded = exclude if exclude.shape[-2] == 1 else exclude[..., q0 : q0 + rows, :]
+            keep &= part != excluded
+        ordered = torch.where(keep, part.to(torch.int32), units).sort(dim=-1).values
+        slots[..., q0 : q0 + rows, :] = ordered
+        first = valid[..., q0 : q0 + rows, :]
+        first[..., :1] = ordered[..., :1] < units
+        first[..., 1:] = (ordered[..., 1:] < units) & (ordered[..., 1:] != ordered[..., :-1])
+    return slots, valid
 
 
 def slot_tiles(

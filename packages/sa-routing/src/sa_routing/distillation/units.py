@@ -225,9 +225,8 @@ def csa_problem(
     sources = metadata.region_sources
     width = 1 << (sources.shape[-1] - 1).bit_length()
     if region_ids is not None:
-        ids = region_ids.long()
-        historical = (ids >= 0) & (ids < count) & (ids != current[:, None, :, None])
-        slot_units, slot_valid = sorted_slots(torch.where(historical, ids, -1), count)
+        # historical regions only: the current one is the suffix
+        slot_units, slot_valid = sorted_slots(region_ids, count, exclude=current[:, None, :, None])
         # the suffix: the current region's tokens up to the query
         start_row = torch.arange(metadata.query_start, metadata.query_start + metadata.queries)
         start_row = start_row.to(current.device)
