@@ -1,6 +1,7 @@
 """tools/bench_records.py turns each benchmark script's rows into record files of the schema, with the
 goals judged from the numbers (CPU: the scripts' rows are built here with the keys the scripts write)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -344,3 +345,69 @@ def test_gpu_tests_dry_run_lists_every_benchmark_with_its_record_arguments():
     assert sorted(listed) == sorted(SCRIPTS)
     assert "bench_sparse_gqa.py --long" in done.stdout
     assert done.stdout.rstrip().endswith("docs/results")
+
+
+_SUITE = """
+def test_a():
+    pass
+
+def test_b():
+    assert 1 + 1 == 3, "b's own message"
+
+def test_c():
+    pass
+
+def test_d():
+    pass
+"""
+
+_RUN_PLUGIN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import pytest, gpu_tests
+passed = gpu_tests.passed_tests(sys.argv[4:])
+plugin = gpu_tests._Outcomes((int(sys.argv[3]), 2), lambda records: None, passed)
+pytest.main([sys.argv[2], "-q", "-p", "no:cacheprovider"], plugins=[plugin])
+print("RECORDS " + json.dumps(plugin.records))
+"""
+
+
+@pytest.mark.parametrize("part", [1, 2])
+def test_gpu_tests_leave_out_what_an_earlier_run_passed_and_keep_failure_messages(tmp_path, part):
+    """An earlier run passed test_a and failed test_b: the next run, in two parts, runs b, c and d
+    once between its parts, and a failure's record carries the end of its report."""
+    suite = tmp_path / "test_suite.py"
+    suite.write_text(_SUITE)
+    earlier = tmp_path / "earlier.json"
+    ids = [f"test_suite.py::test_{name}" for name in "abcd"]
+    earlier.write_text(
+        json.dumps(
+            {
+                "tests": [
+                    {"test": ids[0], "outcome": "passed"},
+                    {"test": ids[1], "outcome": "failed"},
+                ]
+            }
+        )
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RUN_PLUGIN,
+            str(ROOT / "tools"),
+            str(suite),
+            str(part),
+            str(earlier),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    records = json.loads(done.stdout.split("RECORDS ", 1)[1])
+    expected = {1: [ids[1], ids[3]], 2: [ids[2]]}[part]
+    assert [r["test"] for r in records] == expected, done.stdout
+    for record in records:
+        failed = record["test"] == ids[1]
+        assert record["outcome"] == ("failed" if failed else "passed")
+        assert ("b's own message" in record.get("message", "")) == failed

@@ -4,6 +4,7 @@ No uv, no network: the packages are used from source (`packages/*/src` goes on t
 
     python tools/gpu_tests.py                         # all gpu tests
     python tools/gpu_tests.py --part 1/2              # every second gpu test (two calls share the suite)
+    python tools/gpu_tests.py --skip-passed a.json    # the tests an earlier (stopped) run did not pass
     python tools/gpu_tests.py --no-tests --bench all  # every benchmark: rewrites docs/results/*.json
     python tools/gpu_tests.py --bench rms_norm --bench sparse_gqa --quick
     python tools/gpu_tests.py --cpu-bench             # CPU-only benchmarks (the `bench` nox session)
@@ -17,7 +18,7 @@ Quick runs, `--cpu-bench` and runs without a GPU write their record files under 
 instead: they are not the record.
 Prints a short table last and writes everything as JSON (`--json`, default .bench-out/gpu_tests.json);
 the test outcomes are rewritten there after every test, so a run stopped by a time limit still leaves
-what it ran.
+what it ran (a failure with the end of its report), and `--skip-passed` on that file runs the rest.
 """
 
 from __future__ import annotations
@@ -51,32 +52,49 @@ def benchmark_scripts() -> dict[str, Path]:
     }
 
 
-class _Outcomes:
-    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there),
-    and, with `part` = (k, n), only every n-th collected test starting at the k-th."""
+MESSAGE_CHARS = 3000  # the end of a failure's report kept in the JSON
 
-    def __init__(self, part: tuple[int, int], on_record) -> None:
+
+class _Outcomes:
+    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there;
+    a failure keeps the last `MESSAGE_CHARS` of its report), without the tests in `passed`, and with
+    `part` = (k, n), only every n-th remaining test starting at the k-th."""
+
+    def __init__(self, part: tuple[int, int], on_record, passed: frozenset[str] = frozenset()):
         self.records: list[dict] = []
         self.part = part
         self.on_record = on_record
+        self.passed = passed
 
     def pytest_collection_modifyitems(self, config, items) -> None:
         k, n = self.part
-        if n > 1:
-            kept = items[k - 1 :: n]
-            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        kept = [item for item in items if item.nodeid not in self.passed][k - 1 :: n]
+        if len(kept) < len(items):
+            chosen = set(kept)
+            config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
             items[:] = kept
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            self.records.append(
-                {
-                    "test": report.nodeid,
-                    "outcome": report.outcome,
-                    "seconds": round(report.duration, 3),
-                }
-            )
+            record = {
+                "test": report.nodeid,
+                "outcome": report.outcome,
+                "seconds": round(report.duration, 3),
+            }
+            if report.failed:
+                record["message"] = report.longreprtext[-MESSAGE_CHARS:]
+            self.records.append(record)
             self.on_record(self.records)
+
+
+def passed_tests(paths: list[str]) -> frozenset[str]:
+    """The test ids that the JSON files of earlier runs (`--json`) record as passed."""
+    return frozenset(
+        record["test"]
+        for path in paths
+        for record in json.loads(Path(path).read_text())["tests"]
+        if record["outcome"] == "passed"
+    )
 
 
 def test_paths() -> list[str]:
@@ -90,10 +108,12 @@ def pytest_args(extra: list[str]) -> list[str]:
     return [*config, "-m", "gpu", "-q", "-rfE", "--durations=15", *test_paths(), *extra]
 
 
-def run_tests(extra: list[str], part: tuple[int, int], on_record) -> tuple[int, list[dict]]:
+def run_tests(
+    extra: list[str], part: tuple[int, int], on_record, passed: frozenset[str] = frozenset()
+) -> tuple[int, list[dict]]:
     import pytest
 
-    plugin = _Outcomes(part, on_record)
+    plugin = _Outcomes(part, on_record, passed)
     code = pytest.main(pytest_args(extra), plugins=[plugin])
     return int(code), plugin.records
 
@@ -168,6 +188,13 @@ def main() -> int:
         default=(1, 1),
         help="K/N: run every N-th gpu test from the K-th, so N calls under a time limit share the suite",
     )
+    parser.add_argument(
+        "--skip-passed",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="leave out the tests this earlier run's --json file records as passed (repeatable)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
     scripts = benchmark_scripts()
@@ -182,6 +209,8 @@ def main() -> int:
     if args.dry_run:
         if run_pytest:
             part = "" if args.part[1] == 1 else f"  (part {args.part[0]}/{args.part[1]})"
+            skipped = len(passed_tests(args.skip_passed))
+            part += f"  (leaving out {skipped} passed tests)" if skipped else ""
             print("pytest " + shlex.join(pytest_args(args.pytest_args)) + part)
         for name in names:
             relative = scripts[name].relative_to(ROOT)
@@ -205,7 +234,8 @@ def main() -> int:
         out.write_text(json.dumps({**report, "tests": tests}, indent=2))
 
     if run_pytest:
-        code, report["tests"] = run_tests(args.pytest_args, args.part, save)
+        passed = passed_tests(args.skip_passed)
+        code, report["tests"] = run_tests(args.pytest_args, args.part, save, passed)
     for name in names:
         result = run_benchmark(name, scripts[name], args.quick)
         report["benchmarks"].append(result)
