@@ -204,13 +204,18 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; known: {sorted(scripts)}")
     run_pytest = not (args.no_tests or args.cpu_bench)
+    missing = [path for path in args.skip_passed if not Path(path).is_file()]
+    if missing and not args.dry_run:
+        parser.error(
+            f"--skip-passed: no such file {missing[0]!r} (a --json file of an earlier run)"
+        )
     not_the_record = args.quick or args.cpu_bench
     results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
     if args.dry_run:
         if run_pytest:
             part = "" if args.part[1] == 1 else f"  (part {args.part[0]}/{args.part[1]})"
-            skipped = len(passed_tests(args.skip_passed))
-            part += f"  (leaving out {skipped} passed tests)" if skipped else ""
+            if args.skip_passed:
+                part += f"  (leaving out the tests passed in {', '.join(args.skip_passed)})"
             print("pytest " + shlex.join(pytest_args(args.pytest_args)) + part)
         for name in names:
             relative = scripts[name].relative_to(ROOT)
