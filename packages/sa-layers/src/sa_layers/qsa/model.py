@@ -102,7 +102,15 @@ class QSAModel(RoutedModel, nn.Module):
         Returns:
             A new `QSAModel` on `dense`'s device and dtype whose every non-indexer weight equals
             `dense`'s. Then `set_indexer_training("dense_warmup")`, then `"sparse"`.
+        Raises:
+            TypeError: `dense` is not a QSAModel.
+            ValueError: its weights do not fit the new model (another geometry), or bad
+                `layer_types` (as `QSAConfig`).
         """
+        if not isinstance(dense, QSAModel):
+            raise TypeError(
+                f"QSAModel.sparsify: dense must be a QSAModel; got {type(dense).__name__}"
+            )
         types = ("qsa",) * dense.config.num_hidden_layers if layer_types is None else layer_types
         config = dataclasses.replace(dense.config, layer_types=tuple(types))
         reference = next(dense.parameters())
