@@ -308,6 +308,20 @@ def test_bf16_model_keeps_fp32_norm_weights_and_runs():
             "attention_mask and cu_seqlens exclude each other",
         ),
         (
+            dict(attention_mask=torch.ones(2, 8), cp_context=QSAContextParallel.create(8)),
+            ValueError,
+            "attention_mask and cp_context exclude each other",
+        ),
+        (
+            dict(
+                input_ids=torch.zeros(1, 8, dtype=torch.long),
+                cu_seqlens=(0, 8),
+                cp_context=QSAContextParallel.create(8),
+            ),
+            ValueError,
+            "cu_seqlens and cp_context exclude each other",
+        ),
+        (
             dict(labels=torch.zeros(2, 7, dtype=torch.long)),
             ValueError,
             "labels must be an integer tensor shaped like input_ids",
@@ -319,6 +333,8 @@ def test_bf16_model_keeps_fp32_norm_weights_and_runs():
         "decreasing-cu",
         "short-cu",
         "mask-and-cu",
+        "mask-and-cp",
+        "cu-and-cp",
         "labels-shape",
     ],
 )

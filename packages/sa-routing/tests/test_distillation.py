@@ -571,6 +571,31 @@ def test_no_tensor_of_an_8k_token_loss_outgrows_an_input_or_a_tile(mode) -> None
     assert record.numel <= bound, (record.numel, bound)
 
 
+def test_no_tensor_of_an_8k_token_csa_warmup_loss_outgrows_an_input_or_a_tile() -> None:
+    """8192 tokens in two documents, regions of 8 (1024 regions), tiles of 128 queries x 1024
+    keys: nothing larger than the inputs, [heads, 128, 1024] scores or [groups, 128, regions + 1]
+    unit rows exists in the dense warm-up's forward or backward (an [S, regions] tensor would hold
+    8.4M elements, 16 times the largest tile)."""
+    total, region, query_block, key_block = 8192, 8, 128, 1024
+    pos, pad = document_positions([5000, 3192], total)
+    m = region_metadata(pos[None], pad[None], 0, total, region, 4)
+    query, key, iq, iw, summaries = _csa_tensors(17, 1, total, total, m.region_count)
+    inputs = max(t.numel() for t in (query, key, iq, iw, summaries))
+    heads, groups = query.shape[2], iq.shape[2]
+    bound = max(
+        inputs, heads * query_block * key_block, groups * query_block * (m.region_count + 1)
+    )
+    assert bound * 15 < total * m.region_count
+    with _LargestOutput() as record:
+        loss = csa_indexer_distillation_loss(
+            query, key, iq, iw, summaries, m, mode="dense_warmup", query_block=query_block,
+            key_block=key_block,
+        )  # fmt: skip
+        loss.backward()
+    assert loss.item() > 0 and iq.grad.abs().sum() > 0 and summaries.grad.abs().sum() > 0
+    assert record.numel <= bound, (record.numel, bound)
+
+
 # -- validation ---------------------------------------------------------------------------------------
 
 
