@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
+from sa_kernels.backend import triton_interpret
 from sa_layers import QSAAttention, QSABatch, QSAConfig
 from sa_layers.testing import tiny_qsa_config as tiny_config
 from sa_layers.testing import tiny_qsa_model as tiny_model
@@ -178,6 +179,35 @@ def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_
     ref_loss, ref_grads, ref_calls = train_step("none")
     loss, grads, calls = train_step(mode)
     assert ref_calls == calls == 2  # two QSA layers, one indexer call each
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+
+
+@pytest.mark.skipif(
+    not triton_interpret(), reason="the gather kernels need TRITON_INTERPRET=1 on CPU"
+)
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_replays_the_route_block_mask_with_the_routes(mode, monkeypatch):
+    """On the gather backend each routed layer builds its `RouteBlockMask` once per step: the
+    recompute replays ids and mask together (no rebuild, so no host read); grads bitwise equal."""
+    from sa_layers import routes
+
+    builds = []
+    build = routes.build_route_block_mask
+    monkeypatch.setattr(
+        routes, "build_route_block_mask", lambda *a, **k: builds.append(1) or build(*a, **k)
+    )
+
+    def step(mode):
+        builds.clear()
+        model = tiny_model(attn_backend="gather")
+        ids, labels = token_ids(1, 24), token_ids(1, 24, seed=7)
+        result = checks.checkpointed_step(model, mode, lambda m: m(ids, labels=labels).loss)
+        return result, len(builds)
+
+    (ref_loss, ref_grads, _), ref_builds = step("none")
+    (loss, grads, calls), mask_builds = step(mode)
+    assert ref_builds == mask_builds == calls == 2  # two QSA layers
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
 
