@@ -28,8 +28,11 @@ def gpu_model(backend: str, layers: int = 1, seed: int = 0, **overrides) -> QSAM
     return QSAModel(QSAConfig(**fields)).cuda().to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["gather", "flex", "auto"])
-@pytest.mark.parametrize("length", [8192, 16384], ids=["8k", "16k"])
+@pytest.mark.parametrize(
+    ("backend", "length"),
+    [(b, n) for n in (8192, 16384) for b in ("gather", "flex", "auto")] + [("auto", 32768)],
+    ids=lambda v: f"{v // 1024}k" if isinstance(v, int) else v,
+)
 def test_qsa_layer_on_a_cuda_backend_equals_the_reference_backend(backend, length):
     fast, ref = gpu_model(backend), gpu_model("reference")
     ref.load_state_dict(fast.state_dict())

@@ -31,8 +31,10 @@ def gpu_config(backend: str, kind: str = "csa", topk: int = 64, **overrides) -> 
     return Step5Config(**fields)
 
 
-def packed_positions() -> torch.Tensor:
-    return torch.cat([torch.arange(n) for n in DOCUMENTS])[None].cuda()
+def packed_positions(length: int = LENGTH) -> torch.Tensor:
+    """DOCUMENTS, the second one longer by `length - LENGTH` tokens."""
+    documents = (DOCUMENTS[0], DOCUMENTS[1] + length - LENGTH)
+    return torch.cat([torch.arange(n) for n in documents])[None].cuda()
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,10 +71,16 @@ def hidden_states(length: int = LENGTH) -> torch.Tensor:
     return torch.randn(1, length, 1024, device="cuda", generator=generator).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["gather", "flex", "auto"])
-def test_csa_layer_on_a_cuda_backend_equals_the_reference_backend_forward_and_backward(backend):
+@pytest.mark.parametrize(
+    ("backend", "length"),
+    [("gather", LENGTH), ("flex", LENGTH), ("auto", LENGTH), ("auto", 32768)],
+    ids=lambda v: f"{v // 1024}k" if isinstance(v, int) else v,
+)
+def test_csa_layer_on_a_cuda_backend_equals_the_reference_backend_forward_and_backward(
+    backend, length
+):
     fast, ref = layer_pair(backend, "csa", topk=64)
-    hidden, positions = hidden_states(), packed_positions()
+    hidden, positions = hidden_states(length), packed_positions(length)
     out, grad, ids = run_layer(fast, hidden, positions, grad=True)
     ref_out, ref_grad, ref_ids = run_layer(ref, hidden, positions, grad=True)
     assert torch.equal(ids, ref_ids)
