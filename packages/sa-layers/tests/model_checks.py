@@ -5,6 +5,7 @@ state-dict round trip."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 from collections.abc import Callable
@@ -75,7 +76,14 @@ def checkpointed_step(model: nn.Module, mode: str, loss_of: Callable[[nn.Module]
 def assert_compiled_equals_eager(model: nn.Module, forward: Callable[[nn.Module], object]) -> None:
     """`forward(run)` (the model's output on the test's batch, the indexer's loss on) with `run` the
     model and then `torch.compile(model, backend="aot_eager")`: logits, loss plus indexer loss and
-    every gradient equal eager's, and every gradient is non-zero."""
+    every gradient equal eager's, and every gradient is non-zero. Dynamo breaks the graph only at
+    the layers' `routed_attention` (route selection and sparse attention, compiler-disabled)."""
+    torch._dynamo.reset()
+    args, kwargs = _call_arguments(forward)
+    breaks = torch._dynamo.explain(model)(*args, **kwargs).break_reasons
+    assert breaks, "a routed model breaks its graph around route selection"
+    for reason in breaks:
+        assert "routed_attention" in reason.reason, reason.reason[:500]
     torch._dynamo.reset()
     results = []
     for run in (model, torch.compile(model, backend="aot_eager")):
@@ -92,6 +100,22 @@ def assert_compiled_equals_eager(model: nn.Module, forward: Callable[[nn.Module]
     for name, grad in grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(c_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _call_arguments(forward: Callable[[nn.Module], object]) -> tuple[tuple, dict]:
+    """The arguments `forward` calls the model with."""
+    seen = []
+
+    class _Seen(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.append((args, kwargs))
+        raise _Seen
+
+    with contextlib.suppress(_Seen):
+        forward(capture)
+    return seen[0]
 
 
 # -- context parallelism ---------------------------------------------------------------------------

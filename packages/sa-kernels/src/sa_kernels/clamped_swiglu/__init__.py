@@ -1,6 +1,5 @@
 """Clamped SwiGLU (SEMANTICS §1.1): `min(silu(gate), limit) * clamp(up, -limit, limit)`, FP32 math in registers."""
 
-import math
 import numbers
 
 import torch
@@ -78,7 +77,7 @@ def clamped_swiglu(
     if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
         raise TypeError(f"{fn}: limit must be a float; got {type(limit).__name__}")
     limit = float(limit)
-    if math.isnan(limit):  # every comparison with NaN is false: both clamps would vanish silently
+    if limit != limit:  # NaN (every comparison with it is false: both clamps would vanish silently)
         raise ValueError(f"{fn}: limit must not be NaN (use limit <= 0 to disable the clamps)")
     chosen = resolve_backend(fn, backend, gate, up)
     if gate.numel() == 0:  # nothing to compute; the kernels' launch grid cannot be empty
