@@ -153,7 +153,9 @@ def layer_of(kind: str, **overrides) -> tuple[Step5Attention, Step5Config]:
     ],
     ids=["swa", "dense", "csa", "csa-gather"],
 )
-def test_layer_output_and_input_gradient_equal_the_float64_reference(kind, backend):
+def test_layer_output_and_gradients_equal_the_float64_reference(kind, backend):
+    """Output, input gradient and every parameter's gradient (the reference reads the layer's
+    weights, so its backward reaches them too; the indexer's are outside both)."""
     layer, config = layer_of(kind, attn_backend=backend)
     seen = capture_selections(layer) if kind == "csa" else []
     positions, padding = packed_positions(DOCUMENTS)
@@ -162,12 +164,20 @@ def test_layer_output_and_input_gradient_equal_the_float64_reference(kind, backe
     out, _ = layer(x, batch)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * weight).sum().backward()
+    params = {n: p for n, p in layer.named_parameters() if not n.startswith("indexer.")}
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    layer.zero_grad(set_to_none=True)
     ids = seen[0] if seen else None
     x64 = hidden_states().double().requires_grad_(True)
     expected = reference_attention(layer, x64, positions, padding, ids)
     (expected * weight.double()).sum().backward()
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    assert len(params) >= 5
+    for name, p in params.items():
+        scale = p.grad.abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
     assert out[1, 37:].abs().max() == 0  # padding tail
 
 
