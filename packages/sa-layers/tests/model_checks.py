@@ -39,6 +39,54 @@ def masked_attention64(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+# -- indexer training ----------------------------------------------------------------------------------
+
+
+def indexer_names(model: nn.Module) -> set[str]:
+    """The names of the model's indexer parameters."""
+    return {name for name, _ in model.named_parameters() if ".indexer." in name}
+
+
+def assert_lm_loss_leaves_indexers_alone(lm_only: nn.Module, both: nn.Module) -> None:
+    """Two identical models after one sparse-stage backward, of the LM loss alone (`lm_only`) and
+    of the LM plus indexer loss (`both`): every main parameter's gradient is the same, the indexers
+    get gradients only from the indexer loss."""
+    indexer = indexer_names(both)
+    for (name, p), (_, q) in zip(lm_only.named_parameters(), both.named_parameters(), strict=True):
+        if name in indexer:
+            assert p.grad is None, f"{name}: the LM loss reached the indexer"
+            assert q.grad is not None and q.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def assert_only_indexers_have_gradients(model: nn.Module) -> None:
+    """After a backward of the indexer loss alone: every indexer parameter, and nothing else, has
+    a non-zero gradient."""
+    indexer = indexer_names(model)
+    for name, p in model.named_parameters():
+        if name in indexer:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+
+
+def assert_stages_set_trainable_parameters(model: nn.Module) -> None:
+    """`set_indexer_training`: "off" trains all but the indexers, "dense_warmup" only them,
+    "sparse" everything; leaves the model at "off"."""
+    indexer = indexer_names(model)
+    want = {
+        "off": lambda name: name not in indexer,
+        "dense_warmup": lambda name: name in indexer,
+        "sparse": lambda name: True,
+    }
+    for stage, trains in want.items():
+        model.set_indexer_training(stage)
+        for name, p in model.named_parameters():
+            assert p.requires_grad == trains(name), (stage, name)
+    model.set_indexer_training("off")
+
+
 # -- replay under activation checkpointing --------------------------------------------------------
 
 

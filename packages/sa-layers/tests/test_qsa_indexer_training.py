@@ -23,10 +23,6 @@ def attention_mask() -> torch.Tensor:
     return mask
 
 
-def indexer_names(model: torch.nn.Module) -> set[str]:
-    return {name for name, _ in model.named_parameters() if ".indexer." in name}
-
-
 def step_loss(model: QSAModel, stage: str, with_indexer_loss: bool = True) -> torch.Tensor:
     """The loss a training step of `stage` backpropagates: the indexer loss (warm-up), the LM loss
     plus the indexer loss (sparse stage)."""
@@ -44,14 +40,8 @@ def test_sparse_stage_main_model_grads_are_identical_with_and_without_the_indexe
     lm_only, both = tiny_model(), tiny_model()
     step_loss(lm_only, "sparse", with_indexer_loss=False).backward()
     step_loss(both, "sparse").backward()
-    indexer = indexer_names(both)
-    assert len(indexer) == 2 * 3  # two QSA layers: qk_proj, q_norm, k_norm
-    for (name, p), (_, q) in zip(lm_only.named_parameters(), both.named_parameters(), strict=True):
-        if name in indexer:
-            assert p.grad is None, f"{name}: the LM loss reached the indexer"
-            assert q.grad is not None and q.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    assert len(checks.indexer_names(both)) == 2 * 3  # two QSA layers: qk_proj, q_norm, k_norm
+    checks.assert_lm_loss_leaves_indexers_alone(lm_only, both)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -61,27 +51,12 @@ def test_only_indexer_parameters_receive_the_indexer_loss_gradient(stage):
     out = model(token_ids(), attention_mask=attention_mask())
     assert out.indexer_loss.item() > 0
     out.indexer_loss.backward()
-    indexer = indexer_names(model)
-    for name, p in model.named_parameters():
-        if name in indexer:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is None, name
+    checks.assert_only_indexers_have_gradients(model)
 
 
 def test_stages_set_which_parameters_train():
     model = tiny_model()
-    indexer = indexer_names(model)
-    want = {
-        "off": lambda name: name not in indexer,
-        "dense_warmup": lambda name: name in indexer,
-        "sparse": lambda name: True,
-    }
-    for stage, trains in want.items():
-        model.set_indexer_training(stage)
-        for name, p in model.named_parameters():
-            assert p.requires_grad == trains(name), (stage, name)
-    model.set_indexer_training("off")
+    checks.assert_stages_set_trainable_parameters(model)
     assert model(token_ids(), attention_mask=attention_mask()).indexer_loss is None
 
 

@@ -36,10 +36,6 @@ def packed_positions() -> tuple[torch.Tensor, torch.Tensor]:
     return testing.packed_positions(DOCUMENTS, SEQUENCE)
 
 
-def indexer_names(model: torch.nn.Module) -> set[str]:
-    return {name for name, _ in model.named_parameters() if ".indexer." in name}
-
-
 def _step_loss(model: Step5Model, stage: str, with_indexer_loss: bool = True):
     """(model output, the loss a training step of `stage` backpropagates: the LM loss (sparse
     stage) plus the indexer loss)."""
@@ -65,13 +61,7 @@ def test_sparse_stage_main_model_grads_are_identical_with_and_without_the_indexe
     lm_only, both = tiny_model(), tiny_model()
     run(lm_only, "sparse", with_indexer_loss=False)
     run(both, "sparse", with_indexer_loss=True)
-    indexer = indexer_names(both)
-    for (name, p), (_, q) in zip(lm_only.named_parameters(), both.named_parameters(), strict=True):
-        if name in indexer:
-            assert p.grad is None, f"{name}: the LM loss reached the indexer"
-            assert q.grad is not None and q.grad.abs().sum() > 0, name
-        else:
-            assert torch.equal(p.grad, q.grad), name
+    checks.assert_lm_loss_leaves_indexers_alone(lm_only, both)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -82,30 +72,17 @@ def test_only_indexer_parameters_receive_the_indexer_loss_gradient(stage):
     out = model(token_ids(), positions, padding)
     assert out.indexer_loss.item() > 0
     out.indexer_loss.backward()
-    indexer = indexer_names(model)
     # two CSA layers: q/k/z/w projections, q norm, k norm weight and bias
-    assert len(indexer) == 2 * 7
-    for name, p in model.named_parameters():
-        if name in indexer:
-            assert p.grad is not None and p.grad.abs().sum() > 0, name
-        else:
-            assert p.grad is None, name
+    assert len(checks.indexer_names(model)) == 2 * 7
+    checks.assert_only_indexers_have_gradients(model)
 
 
 def test_stages_set_which_parameters_train_and_reject_an_unknown_stage():
     model = tiny_model()
-    indexer = indexer_names(model)
-    want = {
-        "off": lambda name: name not in indexer,
-        "dense_warmup": lambda name: name in indexer,
-        "sparse": lambda name: True,
-    }
-    for stage, trains in want.items():
+    checks.assert_stages_set_trainable_parameters(model)
+    for stage in ("dense_warmup", "sparse", "off"):
         model.set_indexer_training(stage)
-        for name, p in model.named_parameters():
-            assert p.requires_grad == trains(name), (stage, name)
         assert all(layer.self_attn.indexer_training == stage for layer in model.layers)
-    model.set_indexer_training("off")
     positions, padding = packed_positions()
     assert model(token_ids(), positions, padding).indexer_loss is None
     with pytest.raises(ValueError, match=r"set_indexer_training: mode must be one of"):
