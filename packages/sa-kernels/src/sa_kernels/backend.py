@@ -89,13 +89,14 @@ def triton_unavailable_reason(device: torch.device, *, named: str | None = None)
 
 
 def resolve_backend(
-    op: str, backend: str, *tensors: torch.Tensor
+    op: str, backend: str, *tensors: torch.Tensor, compiled_reference: bool = False
 ) -> Literal["triton", "reference"]:
     """Pick `"triton"` or `"reference"` for `op`, or raise saying why the requested one cannot run.
 
-    auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU, and the
-    reference while torch.compile traces (Inductor fuses its PyTorch ops into its own kernels; a
-    hand-written Triton launch inside a traced graph breaks it on symbolic shapes).
+    auto: Triton when every tensor is on CUDA and Triton imports, the reference on CPU. With
+    `compiled_reference` (ops whose PyTorch reference Inductor fuses as fast as the kernel: the
+    norms, `clamped_swiglu`), also the reference while torch.compile traces: a hand-written Triton
+    launch inside a traced graph breaks it on symbolic shapes.
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"{op}: backend must be 'auto', 'triton' or 'reference'; got {backend!r}")
@@ -106,7 +107,7 @@ def resolve_backend(
     if backend == "reference":
         return "reference"
     if backend == "auto":
-        if torch.compiler.is_compiling():
+        if compiled_reference and torch.compiler.is_compiling():
             return "reference"
         return "triton" if on_cuda and has_triton() else "reference"
     device = torch.device(next(iter(devices), "cpu"))

@@ -79,7 +79,7 @@ def clamped_swiglu(
     limit = float(limit)
     if limit != limit:  # NaN (every comparison with it is false: both clamps would vanish silently)
         raise ValueError(f"{fn}: limit must not be NaN (use limit <= 0 to disable the clamps)")
-    chosen = resolve_backend(fn, backend, gate, up)
+    chosen = resolve_backend(fn, backend, gate, up, compiled_reference=True)
     if gate.numel() == 0:  # nothing to compute; the kernels' launch grid cannot be empty
         chosen = "reference"
     if chosen == "triton" and gate.dtype == torch.float64:

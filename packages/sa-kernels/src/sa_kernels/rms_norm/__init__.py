@@ -99,7 +99,7 @@ def _check(
         raise TypeError(
             f"{fn}: output_dtype must be None or a floating dtype; got {output_dtype!r}"
         )
-    chosen = resolve_backend(fn, backend, x, weight)
+    chosen = resolve_backend(fn, backend, x, weight, compiled_reference=True)
     if chosen == "triton":
         if x.dtype not in _TRITON_FLOATS or output_dtype not in _TRITON_FLOATS:
             raise TypeError(
