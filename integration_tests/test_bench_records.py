@@ -18,6 +18,7 @@ SCRIPTS = {
 sys.path.insert(0, str(ROOT / "tools"))
 import bench_adapters  # noqa: E402
 import bench_records  # noqa: E402
+import gpu_tests  # noqa: E402
 
 
 def _copy_row(name, shape, ms, vs_copy, **extra):
@@ -374,8 +375,9 @@ print("RECORDS " + json.dumps(plugin.records))
 
 @pytest.mark.parametrize("part", [1, 2])
 def test_gpu_tests_leave_out_what_an_earlier_run_passed_and_keep_failure_messages(tmp_path, part):
-    """An earlier run passed test_a and failed test_b: the next run, in two parts, runs b, c and d
-    once between its parts, and a failure's record carries the end of its report."""
+    """An earlier run passed test_a and failed test_b: the next run, in two parts, splits the whole
+    collection as any run does (a, c | b, d), leaves a out and runs b, c and d once between its
+    parts; a failure's record carries the end of its report."""
     suite = tmp_path / "test_suite.py"
     suite.write_text(_SUITE)
     earlier = tmp_path / "earlier.json"
@@ -405,9 +407,41 @@ def test_gpu_tests_leave_out_what_an_earlier_run_passed_and_keep_failure_message
         text=True,
     )
     records = json.loads(done.stdout.split("RECORDS ", 1)[1])
-    expected = {1: [ids[1], ids[3]], 2: [ids[2]]}[part]
+    expected = {1: [ids[2]], 2: [ids[1], ids[3]]}[part]
     assert [r["test"] for r in records] == expected, done.stdout
     for record in records:
         failed = record["test"] == ids[1]
         assert record["outcome"] == ("failed" if failed else "passed")
         assert ("b's own message" in record.get("message", "")) == failed
+
+
+def test_gpu_tests_count_a_test_as_passed_only_without_a_failed_record(tmp_path):
+    """A passing call followed by a teardown error leaves two records: the test runs again."""
+    earlier = tmp_path / "earlier.json"
+    records = [
+        {"test": "t.py::test_a", "outcome": "passed"},
+        {"test": "t.py::test_b", "outcome": "passed"},
+        {"test": "t.py::test_b", "outcome": "failed"},
+        {"test": "t.py::test_c", "outcome": "skipped"},
+    ]
+    earlier.write_text(json.dumps({"tests": records}))
+    assert gpu_tests.passed_tests([str(earlier)]) == {"t.py::test_a"}
+
+
+def test_gpu_tests_refuse_to_overwrite_the_file_they_skip_from(tmp_path):
+    earlier = tmp_path / "run.json"
+    earlier.write_text(json.dumps({"tests": []}))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_tests.py",
+            "--skip-passed",
+            str(earlier),
+            "--json",
+            str(earlier),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "is also this run's --json" in done.stderr

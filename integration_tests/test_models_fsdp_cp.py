@@ -135,7 +135,8 @@ def test_fsdp2_dp2_cp2_equals_one_process_and_trains_10_steps_4ranks(
         # ten steps: the same loss trajectory, and the same weights tensor by tensor (AdamW moves
         # an element whose gradient is FP32 noise by about ±lr, so elements are not compared).
         # While the indexers train, the sharded run's other reduction order can flip a near-tie
-        # in a later step's region top-k: one flipped region moves the loss by about 0.3 %.
+        # in a later step's top-k (Step-5 regions, QSA blocks): one flipped region moved the
+        # Step-5 loss by 0.25 % at step 8, so routed training is held to 1 %, 100x looser.
         trained_routes = stage == "sparse"
         rtol, drift_bound = (1e-2, 1e-2) if trained_routes else (1e-4, 1e-4)
         torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=1e-5)

@@ -56,9 +56,10 @@ MESSAGE_CHARS = 3000  # the end of a failure's report kept in the JSON
 
 
 class _Outcomes:
-    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there;
-    a failure keeps the last `MESSAGE_CHARS` of its report), without the tests in `passed`, and with
-    `part` = (k, n), only every n-th remaining test starting at the k-th."""
+    """pytest plugin: one record per test (the call phase, or setup when it skipped or failed there,
+    teardown when it failed there; a failure keeps the last `MESSAGE_CHARS` of its report); with
+    `part` = (k, n), every n-th collected test starting at the k-th (the same split whatever
+    `passed` holds), of which those in `passed` are left out."""
 
     def __init__(self, part: tuple[int, int], on_record, passed: frozenset[str] = frozenset()):
         self.records: list[dict] = []
@@ -68,14 +69,14 @@ class _Outcomes:
 
     def pytest_collection_modifyitems(self, config, items) -> None:
         k, n = self.part
-        kept = [item for item in items if item.nodeid not in self.passed][k - 1 :: n]
+        kept = [item for item in items[k - 1 :: n] if item.nodeid not in self.passed]
         if len(kept) < len(items):
             chosen = set(kept)
             config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
             items[:] = kept
 
     def pytest_runtest_logreport(self, report) -> None:
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        if report.when == "call" or report.outcome != "passed":
             record = {
                 "test": report.nodeid,
                 "outcome": report.outcome,
@@ -88,13 +89,13 @@ class _Outcomes:
 
 
 def passed_tests(paths: list[str]) -> frozenset[str]:
-    """The test ids that the JSON files of earlier runs (`--json`) record as passed."""
-    return frozenset(
-        record["test"]
-        for path in paths
-        for record in json.loads(Path(path).read_text())["tests"]
-        if record["outcome"] == "passed"
-    )
+    """The test ids that the JSON files of earlier runs (`--json`) record as passed, and not also
+    as failed (a teardown error after a passing call)."""
+    outcomes: dict[str, set[str]] = {}
+    for path in paths:
+        for record in json.loads(Path(path).read_text())["tests"]:
+            outcomes.setdefault(record["test"], set()).add(record["outcome"])
+    return frozenset(test for test, seen in outcomes.items() if seen == {"passed"})
 
 
 def test_paths() -> list[str]:
@@ -209,6 +210,11 @@ def main() -> int:
         parser.error(
             f"--skip-passed: no such file {missing[0]!r} (a --json file of an earlier run)"
         )
+    if any(Path(path).resolve() == Path(args.json).resolve() for path in args.skip_passed):
+        parser.error(
+            f"--skip-passed {args.json!r} is also this run's --json, which it would overwrite; "
+            "give this run another --json (and the next run both files)"
+        )
     not_the_record = args.quick or args.cpu_bench
     results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
     if args.dry_run:
@@ -235,8 +241,10 @@ def main() -> int:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(tests: list[dict]) -> None:
-        out.write_text(json.dumps({**report, "tests": tests}, indent=2))
+    def save(tests: list[dict]) -> None:  # whole or not at all: a time limit may stop the run
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps({**report, "tests": tests}, indent=2))
+        os.replace(partial, out)
 
     if run_pytest:
         passed = passed_tests(args.skip_passed)
