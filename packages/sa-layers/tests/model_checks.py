@@ -39,6 +39,48 @@ def masked_attention64(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+# -- whole models in float64 --------------------------------------------------------------------------
+
+
+def language_model64(model: nn.Module, ids: torch.Tensor, attention: Callable) -> torch.Tensor:
+    """A decoder-only model written out in float64 from `model`'s weights: embedding, per layer
+    `h + attention(layer.self_attn, norm(h))` and `h + mlp(norm(h))` (clamped SwiGLU), final norm,
+    LM head. `attention` is the test's float64 reference of one attention layer."""
+    eps = model.config.rms_norm_eps
+    h = model.embed_tokens.weight.double()[ids]
+    for layer in model.layers:
+        h = h + attention(layer.self_attn, rms_norm64(h, layer.input_layernorm.weight, eps))
+        x = rms_norm64(h, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        act = torch.nn.functional.silu(x @ mlp.gate_proj.weight.double().T)
+        up = x @ mlp.up_proj.weight.double().T
+        if mlp.limit > 0:
+            act, up = act.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
+        h = h + (act * up) @ mlp.down_proj.weight.double().T
+    return rms_norm64(h, model.norm.weight, eps) @ model.lm_head.weight.double().T
+
+
+def assert_model_equals_float64(
+    model: nn.Module, logits_of: Callable[[], torch.Tensor], reference_of: Callable, valid
+) -> None:
+    """`logits_of()` (the model's logits) and then `reference_of()` (the float64 model over what
+    the first call routed) agree on the `valid` tokens ([B, L, 1] bool), and so does every
+    non-indexer parameter's gradient of a random weighting of those logits (each non-zero)."""
+    logits = logits_of()
+    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+    (logits * weight * valid).sum().backward()
+    params = {n: p for n, p in model.named_parameters() if ".indexer." not in n}
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    model.zero_grad(set_to_none=True)
+    expected = reference_of()
+    (expected * weight.double() * valid).sum().backward()
+    torch.testing.assert_close((logits * valid).double(), expected * valid, rtol=1e-4, atol=1e-5)
+    for name, p in params.items():
+        scale = p.grad.abs().max()
+        assert scale > 0, name
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
 # -- indexer training ----------------------------------------------------------------------------------
 
 

@@ -7,12 +7,11 @@ import model_checks as checks
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from sa_cp import ContextParallelLayout
 from sa_cp.testing import run_on_ranks
 from sa_kernels.backend import triton_interpret
-from sa_layers import QSAAttention, QSABatch, QSAConfig, QSAModel
+from sa_layers import QSAAttention, QSABatch, QSAConfig
 from sa_layers.testing import tiny_qsa_config as tiny_config
 from sa_layers.testing import tiny_qsa_model as tiny_model
 from sa_routing import QSAContextParallel, apply_qsa_rope
@@ -94,30 +93,11 @@ def test_qsa_layer_equals_dense_attention_over_the_routes_its_indexer_chose(back
     )
 
 
-def reference_model(model: QSAModel, ids, batch: QSABatch, routes) -> torch.Tensor:
-    """The whole model in float64: embedding, per layer `h + attn(norm(h))` and
-    `h + mlp(norm(h))` with `reference_attention` (over the QSA layers' `routes`, in layer order;
-    causal within documents for dense layers), final norm, LM head."""
-    eps = model.config.rms_norm_eps
-    h = model.embed_tokens.weight.double()[ids]
-    chosen = iter(routes)
-    for layer in model.layers:
-        attn = layer.self_attn
-        layer_routes = next(chosen) if attn.indexer is not None else None
-        h = h + reference_attention(
-            attn, checks.rms_norm64(h, layer.input_layernorm.weight, eps), batch, layer_routes
-        )
-        x = checks.rms_norm64(h, layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp
-        up = x @ mlp.up_proj.weight.double().T
-        h = h + (F.silu(x @ mlp.gate_proj.weight.double().T) * up) @ mlp.down_proj.weight.double().T
-    return checks.rms_norm64(h, model.norm.weight, eps) @ model.lm_head.weight.double().T
-
-
 @pytest.mark.parametrize("layer_types", [("qsa", "qsa"), ("qsa", "dense")], ids=["qsa", "mixed"])
 def test_model_logits_and_gradients_equal_a_plain_float64_model(layer_types):
     """A right-padded batch: logits on valid tokens and every non-indexer parameter's gradient
-    equal the plain model written above over the routes the indexers chose."""
+    equal the model written out in float64 (`reference_attention` over the routes the indexers
+    chose, causal within documents for dense layers)."""
     model = tiny_model(layer_types=layer_types)
     routes: list[torch.Tensor] = []
     for layer in model.layers:
@@ -126,21 +106,22 @@ def test_model_logits_and_gradients_equal_a_plain_float64_model(layer_types):
     mask = torch.ones(2, SEQUENCE, dtype=torch.long)
     mask[1, 29:] = 0
     ids = token_ids()
-    logits = model(ids, attention_mask=mask).logits
-    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
-    valid = mask.bool()[..., None]
-    (logits * weight * valid).sum().backward()
-    params = {n: p for n, p in model.named_parameters() if ".indexer." not in n}
-    grads = {n: p.grad.clone() for n, p in params.items()}
-    model.zero_grad(set_to_none=True)
-    assert len(routes) == layer_types.count("qsa")
-    expected = reference_model(model, ids, layout(model.config, ids, attention_mask=mask), routes)
-    (expected * weight.double() * valid).sum().backward()
-    torch.testing.assert_close((logits * valid).double(), expected * valid, rtol=1e-4, atol=1e-5)
-    for name, p in params.items():
-        scale = p.grad.abs().max()
-        assert scale > 0, name
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    batch = layout(model.config, ids, attention_mask=mask)
+
+    def reference():
+        assert len(routes) == layer_types.count("qsa")
+        chosen = iter(routes)
+        return checks.language_model64(
+            model,
+            ids,
+            lambda attn, x: reference_attention(
+                attn, x, batch, next(chosen) if attn.indexer is not None else None
+            ),
+        )
+
+    checks.assert_model_equals_float64(
+        model, lambda: model(ids, attention_mask=mask).logits, reference, mask.bool()[..., None]
+    )
 
 
 def test_qsa_layer_equals_dense_causal_attention_up_to_budget_plus_ratio_minus_one_tokens():

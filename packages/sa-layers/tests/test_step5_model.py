@@ -226,51 +226,29 @@ def test_swa_output_of_a_query_moves_only_with_tokens_in_its_window_and_document
         assert torch.equal(changed, expected), t
 
 
-def reference_model(model: Step5Model, ids, positions, padding, selections) -> torch.Tensor:
-    """The whole model in float64 (dense MLPs): embedding, per layer `h + attn(norm(h))` and
-    `h + mlp(norm(h))` with `reference_attention` over the CSA layers' `selections` (in layer
-    order), final norm, LM head."""
-    eps = model.config.rms_norm_eps
-    h = model.embed_tokens.weight.double()[ids]
-    chosen = iter(selections)
-    for layer in model.layers:
-        attn = layer.self_attn
-        ids_of_layer = next(chosen) if attn.indexer is not None else None
-        x = checks.rms_norm64(h, layer.input_layernorm.weight, eps)
-        h = h + reference_attention(attn, x, positions, padding, ids_of_layer)
-        x = checks.rms_norm64(h, layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp
-        gate, up = x @ mlp.gate_proj.weight.double().T, x @ mlp.up_proj.weight.double().T
-        act = torch.nn.functional.silu(gate)
-        if mlp.limit > 0:
-            act, up = act.clamp(max=mlp.limit), up.clamp(-mlp.limit, mlp.limit)
-        h = h + (act * up) @ mlp.down_proj.weight.double().T
-    return checks.rms_norm64(h, model.norm.weight, eps) @ model.lm_head.weight.double().T
-
-
 def test_model_logits_and_gradients_equal_a_plain_float64_model():
     """SWA, CSA, SWA, CSA over packed documents with a padding tail (clamped and unclamped MLPs):
-    logits on valid tokens and every non-indexer parameter's gradient equal the plain model
-    written above."""
+    logits on valid tokens and every non-indexer parameter's gradient equal the model written out
+    in float64 (`reference_attention` over the CSA layers' selections)."""
     model = tiny_model(layer_types=("swa", "csa", "swa", "csa"))
     seen = capture_selections(model)
     positions, padding = packed_positions(DOCUMENTS)
     ids = token_ids()
-    logits = model(ids, positions, padding).logits
-    weight = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
-    valid = ~padding[..., None]
-    (logits * weight * valid).sum().backward()
-    params = {n: p for n, p in model.named_parameters() if ".indexer." not in n}
-    grads = {n: p.grad.clone() for n, p in params.items()}
-    model.zero_grad(set_to_none=True)
-    assert len(seen) == 2
-    expected = reference_model(model, ids, positions, padding, seen)
-    (expected * weight.double() * valid).sum().backward()
-    torch.testing.assert_close((logits * valid).double(), expected * valid, rtol=1e-4, atol=1e-5)
-    for name, p in params.items():
-        scale = p.grad.abs().max()
-        assert scale > 0, name
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+    def reference():
+        assert len(seen) == 2
+        chosen = iter(seen)
+        return checks.language_model64(
+            model,
+            ids,
+            lambda attn, x: reference_attention(
+                attn, x, positions, padding, next(chosen) if attn.indexer is not None else None
+            ),
+        )
+
+    checks.assert_model_equals_float64(
+        model, lambda: model(ids, positions, padding).logits, reference, ~padding[..., None]
+    )
 
 
 def test_padding_rows_equal_their_unpadded_prefix_for_every_layer_type():
