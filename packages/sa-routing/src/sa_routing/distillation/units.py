@@ -107,10 +107,14 @@ def qsa_problem(
         tiles += split_rows(b, first + skip, first + seg.rows, query_block, ranges)
     start_row = torch.arange(query_start, query_start + queries, device=device)
     if routes is not None:
-        starts = routes[..., : kept * c : c].long()  # the first token of each routed block
-        units = key_units.expand(batch, total).gather(1, starts.clamp_min(0).flatten(1))
-        units = torch.where(starts >= 0, units.view_as(starts), -1)[:, None]  # [B, 1, Q, kept]
-        slot_units, slot_valid = sorted_slots(units, unit_count)
+        starts = routes[..., : kept * c : c][:, None]  # [B, 1, Q, kept]: each block's first token
+        unit_of_row = key_units.expand(batch, total)
+
+        def units_of(rows: torch.Tensor) -> torch.Tensor:
+            found = unit_of_row.gather(1, rows.clamp_min(0).long().flatten(1)).view_as(rows)
+            return torch.where(rows >= 0, found, -1)
+
+        slot_units, slot_valid = sorted_slots(starts, unit_count, lookup=units_of)
         suffix = (start_row - positions[:, rows] + visible_blocks * c).expand(batch, queries)
         width = 1 << max(c - 2, 0).bit_length()  # the tail holds at most c - 1 tokens
         tail = suffix[..., None] + torch.arange(width, device=device)
