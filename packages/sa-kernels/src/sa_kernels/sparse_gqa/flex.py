@@ -105,7 +105,13 @@ def flex_attend(
     (`return_aux=AuxRequest(lse=True)`; natural log in every torch release that has `AuxRequest`:
     `flex_attention` converts its kernels' log2 values before returning; −inf on a row that attends
     no key).
+
+    On CUDA the options always hold `FORCE_USE_FLEX_ATTENTION`: Inductor would otherwise pick its
+    flex-decoding kernel, meant for inference, for fewer than 128 queries over a one-head mask, and
+    it has no configuration for some training shapes (FP32, small head dims).
     """
+    if query.is_cuda:
+        kernel_options = {"FORCE_USE_FLEX_ATTENTION": True, **(kernel_options or {})}
     extra = {} if kernel_options is None else {"kernel_options": kernel_options}
     if return_lse:
         from torch.nn.attention.flex_attention import AuxRequest

@@ -530,14 +530,9 @@ def _flex(
     Inside a torch.compile'd model the plain `flex_attention` is traced into the model's graph
     (Inductor compiles it) instead of nesting a compile. With `return_lse`, `(out, lse)`: lse
     float32 [B, tokens, heads], Flex's natural log-sum-exp, detached, −inf on a row with no
-    visible key. Inductor's flex-decoding kernel, which it picks for fewer than 128 queries
-    with a one-head mask, is for inference and has no configuration for some training shapes
-    (FP32, small head dims): `FORCE_USE_FLEX_ATTENTION` keeps the training kernel."""
+    visible key."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as attention
     else:
         attention = compiled_flex()
-    options = {"FORCE_USE_FLEX_ATTENTION": True} if query.is_cuda else None
-    return flex_attend(
-        attention, query, key, value, block_mask, scale, options, return_lse=return_lse
-    )
+    return flex_attend(attention, query, key, value, block_mask, scale, return_lse=return_lse)
