@@ -91,22 +91,23 @@ def sorted_slots(
     lookup: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 sorted ids, bool valid) of int ids [..., Q, K] whose invalid entries are `units` or
-    outside `[0, units)`, and also, with `exclude` (int, broadcastable to `ids`' shape with size 1
-    or Q on the query axis), those equal to it: ascending, invalid last, valid where a unit's first
+    outside `[0, units)`, and also, with `exclude` (int, broadcastable to `[..., Q, 1]`), those
+    equal to it: ascending, invalid last, valid where a unit's first
     occurrence. With `lookup`, the ids are `lookup(chunk of ids)` (same shape; e.g. token rows to
     the units that hold them). Sorted `_SORT_ELEMENTS` ids at a time along the query axis, in
     int32, so that the temporaries stay a fraction of the routes however long the sequence."""
     slots = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     valid = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
     rows = max(1, _SORT_ELEMENTS // max(ids[..., :1, :].numel(), 1))
+    if exclude is not None:
+        exclude = exclude.expand(*ids.shape[:-1], 1)
     for q0 in range(0, ids.shape[-2], rows):
         part = ids[..., q0 : q0 + rows, :]
         if lookup is not None:
             part = lookup(part)
         keep = (part >= 0) & (part < units)  # before the int32 cast: no id wraps into range
         if exclude is not None:
-            excluded = exclude if exclude.shape[-2] == 1 else exclude[..., q0 : q0 + rows, :]
-            keep &= part != excluded
+            keep &= part != exclude[..., q0 : q0 + rows, :]
         ordered = torch.where(keep, part.to(torch.int32), units).sort(dim=-1).values
         slots[..., q0 : q0 + rows, :] = ordered
         first = valid[..., q0 : q0 + rows, :]
