@@ -237,6 +237,16 @@ def gqa_shape(native_shape: str) -> str:
     return f"S{length} Hq{hq}/Hkv{hkv} D{dim}, {routes}, bf16"
 
 
+def _fold_auto(named: dict[str, dict], kind: str) -> None:
+    """Drop the `<kind>-auto` row when its choice was measured in the same run: the chosen backend's
+    row says so instead of repeating its time."""
+    auto = named.get(f"{kind}-auto")
+    chosen = auto and named.get(f"{kind}-{auto.get('chose')}")
+    if chosen:
+        named[chosen["name"]] = {**chosen, "auto_choice": True}
+        del named[f"{kind}-auto"]
+
+
 def _sparse_gqa(rows: list[dict]) -> dict[str, list]:
     clustered, scattered = [], []
     shapes = dict.fromkeys(r["shape"] for r in rows if not r["name"].startswith("sweep"))
@@ -250,6 +260,8 @@ def _sparse_gqa(rows: list[dict]) -> dict[str, list]:
             what = _GQA_NAMES[native["name"]]
             if native["name"].endswith("-auto") and "chose" in native:
                 what += f" (chose {native['chose']})"
+            if native.get("auto_choice"):
+                what += " (auto's choice)"
             return row(
                 what + ", fwd+bwd",
                 shape,
@@ -261,10 +273,11 @@ def _sparse_gqa(rows: list[dict]) -> dict[str, list]:
             )
 
         if dense:
-            for area in (clustered, scattered):
-                area.append(fwd_bwd(dense))
+            clustered.append(fwd_bwd(dense))
         if block:
             clustered.append(fwd_bwd(block, DENSE if dense else None, dense and dense["ms"]))
+        _fold_auto(named, "clustered")
+        _fold_auto(named, "scattered")
         for name in (
             "clustered-flex",
             "clustered-flex-bitmap",

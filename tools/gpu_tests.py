@@ -9,6 +9,7 @@ No uv, no network: the packages are used from source (`packages/*/src` goes on t
     python tools/gpu_tests.py --bench rms_norm --bench sparse_gqa --quick
     python tools/gpu_tests.py --cpu-bench             # CPU-only benchmarks (the `bench` nox session)
     python tools/gpu_tests.py --bench all --dry-run   # the commands, without running them
+    python tools/gpu_tests.py --records-from run.json # record files again from a saved run's rows
 
 A benchmark is `packages/<pkg>/benchmarks/bench_<name>.py`, run as a script with `--json PATH` and the
 arguments in `bench_adapters.RECORD_ARGS` (`--quick` instead: the script's quick shapes). Its rows
@@ -160,6 +161,34 @@ def run_benchmark(name: str, script: Path, quick: bool) -> dict:
     }
 
 
+def write_benchmark_records(result: dict, env: dict, results: Path) -> bool:
+    """Write the record files of one benchmark run (`run_benchmark`'s dict); False if its rows do not
+    fit the benchmark's adapter (the other benchmarks still run)."""
+    name = result["benchmark"]
+    try:
+        written = write_records(
+            results, name, result["command"], env, records(name, result["rows"])
+        )
+    except (KeyError, ValueError) as error:
+        print(f"bench {name}: its rows did not become record files: {error!r}")
+        return False
+    result["record_files"] = [str(p) for p in written]
+    return True
+
+
+def rewrite_records(run_json: str, results: Path) -> int:
+    """Record files again from the rows an earlier run saved (`--json`), for an adapter that changed:
+    no GPU, the run's own environment and commit."""
+    report = json.loads(Path(run_json).read_text())
+    code = 0
+    for result in report["benchmarks"]:
+        if result["returncode"] == 0:
+            ok = write_benchmark_records(result, report["environment"], results)
+            code = code or (0 if ok else 1)
+            print(f"bench {result['benchmark']:<24} -> {', '.join(result.get('record_files', []))}")
+    return code
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,6 +225,12 @@ def main() -> int:
         metavar="JSON",
         help="leave out the tests this earlier run's --json file records as passed (repeatable)",
     )
+    parser.add_argument(
+        "--records-from",
+        metavar="JSON",
+        help="rewrite the record files from the benchmark rows of an earlier run's --json file "
+        "(after an adapter changed); runs nothing",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
     scripts = benchmark_scripts()
@@ -217,6 +252,8 @@ def main() -> int:
         )
     not_the_record = args.quick or args.cpu_bench
     results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
+    if args.records_from:
+        return rewrite_records(args.records_from, results)
     if args.dry_run:
         if run_pytest:
             part = "" if args.part[1] == 1 else f"  (part {args.part[0]}/{args.part[1]})"
@@ -253,16 +290,10 @@ def main() -> int:
         result = run_benchmark(name, scripts[name], args.quick)
         report["benchmarks"].append(result)
         code = code or result["returncode"]
-        if result["returncode"] == 0:
-            try:
-                areas = records(name, result["rows"])
-                env = report["environment"]
-                written = write_records(results, name, result["command"], env, areas)
-            except (KeyError, ValueError) as error:  # the other benchmarks still run
-                print(f"bench {name}: its rows did not become record files: {error!r}")
-                result["returncode"] = code = code or 1
-            else:
-                result["record_files"] = [str(p) for p in written]
+        if result["returncode"] == 0 and not write_benchmark_records(
+            result, report["environment"], results
+        ):
+            result["returncode"] = code = code or 1
 
     save(report["tests"])
     print("\n" + " ".join(f"{k}={v}" for k, v in report["environment"].items()))

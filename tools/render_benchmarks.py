@@ -65,11 +65,8 @@ history, not here.
 - **ms** is the measured time; **ratio** is baseline ms / ms, so above 1 is faster than the baseline.
   A baseline given as a bandwidth (a device copy of the same bytes) has the copy's time for those bytes
   as its ms. An *ideal* baseline is computed, not measured (Step-5: the scoring FLOPs at 300 TFLOP/s).
-- **goal** is the issue's target for that row; **status** says whether this run meets it. Two goals
-  were closed by decision and say so: the Step-5 forward at 65 536 tokens (the goal read as
-  "summaries and top-k add ≤ 30 % to the scoring", the projection GEMMs outside the ratio), and
-  scattered routes at 32k, D 128 (a limit of independent per-query routes at 25 % density, whose FP32
-  dK/dV atomics alone exceed the dense time: see the scatter-add ceiling).
+- **goal** is the issue's target for that row; **status** says whether this run meets it. A goal
+  *closed by decision* gives the decision and its reason in its status.
 
 ## Method
 
@@ -155,17 +152,18 @@ def speedup_series(records: dict[str, dict]) -> dict[str, list[tuple[int, float]
     """Sparse GQA fwd+bwd rows over the dense causal SDPA row of their run and shape:
     {what at geometry: [(length, speed-up), ...]}."""
     series: dict[str, list[tuple[int, float]]] = {}
-    for area, record in records.items():
-        if not area.startswith("sparse_gqa"):
-            continue
-        dense = {r["shape"]: r["time_ms"] for r in record["rows"] if r["what"].startswith("dense")}
+    areas = [record for area, record in records.items() if area.startswith("sparse_gqa")]
+    rows = [row for record in areas for row in record["rows"]]
+    dense = {r["shape"]: r["time_ms"] for r in rows if r["what"].startswith("dense")}
+    for record in areas:
         for row in record["rows"]:
             match = re.match(r"S(\d+) ([^,]*)", row["shape"])
             if not (match and row["shape"] in dense and row["what"].endswith("fwd+bwd")):
                 continue
             if row["what"].startswith("dense") or not row["time_ms"]:
                 continue
-            label = f"{row['what'].removesuffix(', fwd+bwd')}, {match[2]}"
+            what = row["what"].removesuffix(", fwd+bwd").removesuffix(" (auto's choice)")
+            label = f"{what}, {match[2]}"
             speedup = dense[row["shape"]] / row["time_ms"]
             series.setdefault(label, []).append((int(match[1]), speedup))
     return {k: sorted(v) for k, v in series.items()}
