@@ -246,6 +246,73 @@ def test_gather_long_regions_and_region_passes_match_reference(region_size, bloc
     assert torch.isinf(lse[:, :, 3]).all() and torch.isfinite(lse[:, :, :2]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("heads", "groups", "region_size", "chunk"),
+    [(4, 2, 4, 2), (3, 1, 8, 3), (6, 2, 20, None), (2, 2, 3, 1)],
+    ids=["hpg2-R4-chunk2", "hpg3-R8-chunk3", "hpg3-R20-one-chunk", "hpg1-R3-chunk1"],
+)
+def test_key_major_dkdv_matches_reference(heads, groups, region_size, chunk, dtype):
+    """The key-major dK/dV (inverse routes, per-region programs over query chunks) and the dQ-only
+    query-major launch beside it, on documents, an empty row, the causal cut and a CP offset."""
+    queries, kv_length, start = 7, 64, 57
+    q, k, v, gen = _inputs(1, queries, heads, groups, 16, kv_length, dtype, seed=region_size)
+    ids, sources = _case(1, queries, kv_length, region_size, groups, 6, start, region_size, (2,))
+    mask = build_region_block_mask(
+        ids, sources, kv_length, heads, query_start=start, build_flex=False
+    )
+    args = [t.detach() for t in (q, k, v)]
+    out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, start, 0.25)
+    grad = torch.randn(out.shape, generator=gen).to(dtype)
+    config = {
+        "BLOCK_W": 16,
+        "num_warps": 4,
+        "num_stages": 1,
+        "DKV": "key_major",
+        "QUERY_CHUNK": chunk,
+    }
+    grads = region_attention_backward(
+        *args, out, grad, lse, mask.routes, mask.counts, sources, start, 0.25, _config=config
+    )
+    ref = sparse_region_attention_reference(
+        q.double(), k.double(), v.double(), ids, sources, start, 0.25
+    )
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad.double())
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(
+            got.double(), want.double(), **tol, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+    assert grads[1].abs().amax(dim=(0, 2, 3)).count_nonzero() > kv_length // 4  # many keys hit
+    assert grads[0][:, 2].abs().max() == 0  # the empty row
+
+
+def test_inverse_routes_lists_every_selection_once():
+    from sa_kernels.sparse_region_attention.key_major import inverse_routes
+
+    gen = torch.Generator().manual_seed(3)
+    batch, groups, queries, regions, chunk = 2, 3, 9, 11, 4
+    keep = torch.rand(batch, groups, queries, regions, generator=gen) < 0.4
+    counts = keep.sum(-1).to(torch.int32)
+    order = torch.where(keep, torch.arange(regions), regions).sort(-1).values
+    routes = order[..., :6].to(torch.int32).contiguous()  # canonical, sentinel `regions`
+    counts = counts.clamp(max=6)
+    offsets, selections = inverse_routes(routes, counts, regions, chunk)
+    chunks = -(-queries // chunk)
+    assert offsets.shape == (batch * groups * chunks * regions + 1,)
+    assert int(offsets[-1]) == int(counts.sum())
+    for b, g, c, r in itertools.product(range(batch), range(groups), range(chunks), range(regions)):
+        seg = ((b * groups + g) * chunks + c) * regions + r
+        got = sorted(selections[offsets[seg] : offsets[seg + 1]].tolist())
+        want = [
+            qi
+            for qi in range(c * chunk, min(queries, (c + 1) * chunk))
+            if r in routes[b, g, qi, : counts[b, g, qi]].tolist()
+        ]
+        assert got == want, (b, g, c, r)
+
+
 def test_gather_reuses_a_prebuilt_block_mask_and_accepts_strided_views():
     q, k, v, gen = _inputs(1, 5, 4, 2, 16, 24, torch.float32)
     ids, sources = _case(1, 5, 24, 4, 2, 4, 19, 5)
@@ -561,8 +628,17 @@ def test_cuda_compiled_flex_serves_new_routes_without_recompiling():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_split", [256, 1000])
-def test_cuda_gather_backward_region_passes_match_the_oracle(key_split):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"KEY_SPLIT": 256},
+        {"KEY_SPLIT": 1000},
+        {"DKV": "key_major"},
+        {"DKV": "key_major", "QUERY_CHUNK": 512},
+    ],
+    ids=["passes-256", "passes-1000", "key-major", "key-major-chunk512"],
+)
+def test_cuda_gather_backward_variants_match_the_oracle(variant):
     kv_length, heads, groups = 4096, 16, 2
     ids, sources, _ = _cuda_case("csa", kv_length, groups, 0, 1)
     q, k, v, gen = _inputs(1, kv_length, heads, groups, 192, kv_length, torch.bfloat16, "cuda")
@@ -574,7 +650,7 @@ def test_cuda_gather_backward_region_passes_match_the_oracle(key_split):
     args = [t.detach() for t in (q, k, v)]
     scale = 192**-0.5
     out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, 0, scale)
-    config = {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": key_split}
+    config = {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, **variant}
     grads = region_attention_backward(
         *args, out, grad, lse, mask.routes, mask.counts, sources, 0, scale, _config=config
     )

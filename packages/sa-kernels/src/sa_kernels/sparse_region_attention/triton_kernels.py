@@ -34,6 +34,9 @@ from sa_kernels.sparse_gqa.triton_kernels import (
 )
 from sa_kernels.triton_dot import fp32_dot
 
+from .key_major import MAX_REGION_SIZE as MAX_KEY_MAJOR_REGION
+from .key_major import region_dkdv_key_major
+
 MAX_HEAD_DIM = 256
 
 
@@ -141,7 +144,7 @@ def _region_fwd_kernel(
 @triton.jit
 def _region_bwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, routes_ptr, counts_ptr, bounds_ptr, src_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
+    dq_ptr, dk_ptr, dv_ptr, delta_ptr,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -155,10 +158,12 @@ def _region_bwd_kernel(
     stride_dkb, stride_dks, stride_dkh,
     queries, kv_heads, passes, kv_length, regions, query_start, scale, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, DKV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
+    """DKV: also scatter dK, dV (FP32 atomics); else dQ only, and the rows' delta (rowsum of dO·O,
+    lse's layout) stored to `delta_ptr` for the key-major dK/dV."""
     q_idx = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // kv_heads
@@ -194,6 +199,8 @@ def _region_bwd_kernel(
         )
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
+        if not DKV:
+            tl.store(delta_ptr + b64 * stride_lb + heads * stride_lh + q64, delta, mask=g_mask)
         route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
         src_base = src_ptr + b64 * stride_sb
         k_base = k_ptr + b64 * stride_kb + h * stride_kh
@@ -219,11 +226,12 @@ def _region_bwd_kernel(
             p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
             ds = p * (dp - delta[:, None])
             dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
-            dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
-            dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-            rows = ids[:, None] * stride_dks + offs_d[None, :]
-            tl.atomic_add(dk_base + rows, dk * scale, mask=kv_mask, sem="relaxed")
-            tl.atomic_add(dv_base + rows, dv, mask=kv_mask, sem="relaxed")
+            if DKV:
+                dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+                dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+                rows = ids[:, None] * stride_dks + offs_d[None, :]
+                tl.atomic_add(dk_base + rows, dk * scale, mask=kv_mask, sem="relaxed")
+                tl.atomic_add(dv_base + rows, dv, mask=kv_mask, sem="relaxed")
         dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
         if SPLIT:
             tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
@@ -239,7 +247,7 @@ def default_config(head_dim: int, backward: bool) -> dict:
     PASS_ACCUMULATOR_ELEMENTS // head_dim into regions). These are `sparse_gqa`'s gather defaults
     (its H200 sweeps on scattered token routes), not a sweep over region routes."""
     if backward:
-        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": None}
+        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "KEY_SPLIT": None, "DKV": "key_major"}
     return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
 
 
@@ -251,11 +259,16 @@ SWEEP_FORWARD_CONFIGS = [
     for stages in (2, 3)
 ]
 SWEEP_BACKWARD_CONFIGS = [
-    {"BLOCK_W": w, "num_warps": 4, "num_stages": stages, "KEY_SPLIT": split}
-    for w in (16, 32, 64)
-    for stages in (2, 3)
-    for split in (0, 8192, 16384)
-]
+    {
+        "BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "DKV": "key_major",
+        "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": 2,
+    }
+    for rows in (32, 64, 128)
+    for warps in (4, 8)
+] + [
+    {"BLOCK_W": w, "num_warps": 4, "num_stages": stages, "DKV": "key_major"}
+    for w, stages in ((16, 3), (32, 2), (64, 2), (64, 3))
+]  # fmt: skip
 
 
 def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> tuple[int, int, int, int]:
@@ -344,13 +357,20 @@ def region_attention_backward(
     regions, region_size = region_sources.shape[1:]
     config = _config or default_config(head_dim, backward=True)
     block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
-    split = region_split(config, head_dim, region_size)
-    passes = triton.cdiv(regions, split) if split else 1
-    bounds, dq, dk, dv = backward_buffers(query, key, routes, counts, regions, split, passes)
+    key_major = config.get("DKV") == "key_major" and region_size <= MAX_KEY_MAJOR_REGION
+    if key_major:  # this launch: dQ and delta; dK, dV after it
+        split, passes = 0, 1
+        bounds, dq, delta = counts, torch.zeros_like(query), torch.empty_like(lse)
+        dk = dv = dq  # not written (DKV off)
+    else:
+        split = region_split(config, head_dim, region_size)
+        passes = triton.cdiv(regions, split) if split else 1
+        bounds, dq, dk, dv = backward_buffers(query, key, routes, counts, regions, split, passes)
+        delta = lse  # not written (DKV on)
     grid = (queries, batch * kv_heads, passes)
     _region_bwd_kernel[grid](
         query, key, value, out, grad_out, lse, routes, counts, bounds, region_sources,
-        dq, dk, dv,
+        dq, dk, dv, delta,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -364,9 +384,16 @@ def region_attention_backward(
         dk.stride(0), dk.stride(1), dk.stride(2),
         queries, kv_heads, passes, key.shape[1], regions, query_start, scale, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
-        SPLIT=passes > 1,
+        SPLIT=passes > 1, DKV=not key_major,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
         **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
+    if key_major:
+        dk, dv = region_dkdv_key_major(
+            query, key, value, grad_out, lse, delta, routes, counts, region_sources, query_start,
+            scale, dot_flags(query), chunk=config.get("QUERY_CHUNK"),
+            rows=config.get("KEY_MAJOR_ROWS", 64),
+            num_warps=config.get("KEY_MAJOR_WARPS", 4), num_stages=config.get("KEY_MAJOR_STAGES", 2),
+        )  # fmt: skip
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

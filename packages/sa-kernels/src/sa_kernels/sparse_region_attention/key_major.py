@@ -1,0 +1,235 @@
+"""The key-major dK/dV of the gather backward: each program owns one selected region of one KV group
+and a chunk of queries, and sums its keys' gradients in registers over the queries that selected the
+region, so no key row takes an atomic add per (query, region) pair.
+
+The query-major backward (`triton_kernels._region_bwd_kernel`) reads each selected region's K/V rows
+once per query and scatters that query's dK/dV into FP32 buffers: at the Step-5 geometry (16 heads per
+KV group, regions of 8 keys, D 192) the FP32 atomic adds are most of its time. Here the inverse routes
+(`inverse_routes`: for every (batch, group, query chunk, region) the queries that selected the region,
+as a CSR list) let a program hold the region's K/V rows and read the selecting queries' Q and dO rows
+instead; its rows are (query, head) pairs, `64 // heads-per-group` queries per step. Programs run
+region-fastest inside a (group, query chunk), so the programs on the GPU at one time share that
+chunk's Q and dO rows in the L2 cache (`QUERY_CHUNK` queries: 16 MiB of both at the default). A
+region's sums over the chunks meet in FP32 buffers with one atomic add per (region, chunk). dQ comes
+from the query-major kernel with its dK/dV part left out.
+
+Order within a CSR list follows atomic counters, so the FP32 sums of dK/dV may differ in their last
+bits between runs (as the query-major atomics do).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sa_kernels.sparse_gqa.triton_kernels import LOG2E
+from sa_kernels.triton_dot import fp32_dot
+
+# Q and dO bytes of one query chunk, per KV group, that the programs running together share in L2.
+CHUNK_BYTES = 16 * 2**20
+# Longest region a program holds whole (its key rows are the N of every dot).
+MAX_REGION_SIZE = 64
+# (query, head) rows of one step.
+STEP_ROWS = 64
+
+
+@triton.jit
+def _invert_routes_kernel(
+    routes_ptr, counts_ptr, seg_ptr, list_ptr,
+    stride_rb, stride_rh, stride_rq, stride_cb, stride_ch,
+    kv_heads, regions, chunks,
+    QUERY_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    """Program (query, batch·group). FILL False: add 1 to the counter of every (batch, group, chunk,
+    region) segment the query's route selects; True: take a position from the segment's cursor and
+    write the query there."""
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b64 = (bh // kv_heads).to(tl.int64)
+    h64 = (bh % kv_heads).to(tl.int64)
+    count = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx)
+    route = routes_ptr + b64 * stride_rb + h64 * stride_rh + q_idx.to(tl.int64) * stride_rq
+    first = (bh.to(tl.int64) * chunks + q_idx // QUERY_CHUNK) * regions
+    offs = tl.arange(0, BLOCK_S)
+    for start in range(0, count, BLOCK_S):
+        live = start + offs < count
+        rid = tl.load(route + start + offs, mask=live, other=0)
+        seg = seg_ptr + first + rid
+        if FILL:
+            pos = tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
+            tl.store(list_ptr + pos, tl.full([BLOCK_S], 0, tl.int32) + q_idx, mask=live)
+        else:
+            tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
+
+
+def query_chunk(group: int, head_dim: int) -> int:
+    """Queries per chunk: the largest power of two whose Q and dO rows of one KV group (16-bit) fit
+    CHUNK_BYTES."""
+    per_query = group * head_dim * 2 * 2
+    return 1 << max(0, (CHUNK_BYTES // per_query).bit_length() - 1)
+
+
+def inverse_routes(
+    routes: torch.Tensor, counts: torch.Tensor, regions: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of the selections by (batch, group, query chunk, region).
+
+    routes: int32 [B, G, Q, W] canonical (each row's `counts` distinct region ids first).
+    Returns offsets int64 [B·G·chunks·regions + 1] and queries int32 [at least the selections]: the
+    queries of segment s are queries[offsets[s]:offsets[s + 1]], in no particular order."""
+    batch, kv_heads, queries, width = routes.shape
+    chunks = triton.cdiv(queries, chunk)
+    segments = torch.zeros(batch * kv_heads * chunks * regions + 1, dtype=torch.int64,
+                           device=routes.device)  # fmt: skip
+    block_s = min(128, triton.next_power_of_2(max(width, 16)))
+    grid = (queries, batch * kv_heads)
+    common = (
+        routes.stride(0), routes.stride(1), routes.stride(2), counts.stride(0), counts.stride(1),
+        kv_heads, regions, chunks,
+    )  # fmt: skip
+    _invert_routes_kernel[grid](
+        routes, counts, segments[1:], segments, *common,
+        QUERY_CHUNK=chunk, BLOCK_S=block_s, FILL=False,
+    )  # fmt: skip
+    offsets = segments.cumsum_(0)
+    cursor = offsets[:-1].clone()
+    # sized by the route slots, not the selections: no host sync to read their count
+    selections = torch.empty(max(1, routes.numel()), dtype=torch.int32, device=routes.device)
+    _invert_routes_kernel[grid](
+        routes, counts, cursor, selections, *common,
+        QUERY_CHUNK=chunk, BLOCK_S=block_s, FILL=True,
+    )  # fmt: skip
+    return offsets, selections
+
+
+@triton.jit
+def _region_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr, list_ptr, src_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_doq, stride_doh,
+    stride_lb, stride_lh,
+    stride_sb, stride_sn,
+    stride_dkb, stride_dks, stride_dkh,
+    kv_heads, kv_length, regions, chunks, query_start, scale, scale_log2,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (region, query chunk, batch·group): dK, dV of the region's keys over the chunk's
+    queries that selected it; rows of a step are BLOCK_R // GROUP_P queries × GROUP_P heads."""
+    region = tl.program_id(0)
+    bh = tl.program_id(2)
+    seg = (bh.to(tl.int64) * chunks + tl.program_id(1)) * regions + region
+    lo = tl.load(offsets_ptr + seg)
+    hi = tl.load(offsets_ptr + seg + 1)
+    if hi > lo:
+        b64 = (bh // kv_heads).to(tl.int64)
+        h = bh % kv_heads
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_r = tl.arange(0, BLOCK_R)
+        d_mask = offs_d < HEAD_DIM
+        src = tl.load(
+            src_ptr + b64 * stride_sb + region.to(tl.int64) * stride_sn + offs_k,
+            mask=offs_k < REGION_SIZE,
+            other=-1,
+        )
+        key_ok = (src >= 0) & (src < kv_length)
+        ids = tl.where(key_ok, src, 0).to(tl.int64)
+        kv_mask = key_ok[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + b64 * stride_kb + h * stride_kh + ids[:, None] * stride_ks + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + b64 * stride_vb + h * stride_vh + ids[:, None] * stride_vs + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        head_in_group = offs_r % GROUP_P
+        heads = h * GROUP + head_in_group
+        dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_R // GROUP_P):
+            pick = start + offs_r // GROUP_P
+            row_ok = (pick < hi) & (head_in_group < GROUP)
+            query = tl.load(list_ptr + pick, mask=row_ok, other=0).to(tl.int64)
+            rd_mask = row_ok[:, None] & d_mask[None, :]
+            q_rows = b64 * stride_qb + query * stride_qq + heads * stride_qh
+            q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=rd_mask, other=0.0)
+            do_rows = b64 * stride_dob + query * stride_doq + heads * stride_doh
+            do = tl.load(do_ptr + do_rows[:, None] + offs_d[None, :], mask=rd_mask, other=0.0)
+            stat = b64 * stride_lb + heads * stride_lh + query
+            lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+            visible = (
+                row_ok[:, None] & key_ok[None, :] & (src[None, :] <= query_start + query[:, None])
+            )
+            s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+            p = tl.where(visible, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+            dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
+            ds = p * (dp - delta[:, None])
+            dv += fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+            dk += fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+        rows = b64 * stride_dkb + h * stride_dkh + ids[:, None] * stride_dks + offs_d[None, :]
+        tl.atomic_add(dk_ptr + rows, dk * scale, mask=kv_mask, sem="relaxed")
+        tl.atomic_add(dv_ptr + rows, dv, mask=kv_mask, sem="relaxed")
+
+
+def region_dkdv_key_major(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    routes: torch.Tensor,
+    counts: torch.Tensor,
+    region_sources: torch.Tensor,
+    query_start: int,
+    scale: float,
+    flags: dict,
+    *,
+    chunk: int | None = None,
+    rows: int = STEP_ROWS,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 dK, dV [B, S, G, D] of the gather backward.
+
+    query, grad_out: [B, Q, H, D] (unit last stride); key, value: [B, S, G, D]; lse: FP32 [B, H, Q]
+    (log2 domain of scale·scores, +inf for rows with no visible key); delta: FP32 [B, H, Q] (rowsum of
+    dO·O), same strides as lse; routes int32 [B, G, Q, W] canonical with `counts` int32 [B, G, Q];
+    region_sources int32 [B, regions, region_size ≤ MAX_REGION_SIZE]; `flags`: `dot_flags(query)`."""
+    batch, queries, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    group = heads // kv_heads
+    regions, region_size = region_sources.shape[1:]
+    chunk = chunk or query_chunk(group, head_dim)
+    offsets, selections = inverse_routes(routes, counts, regions, chunk)
+    dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    dv = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    group_p = triton.next_power_of_2(group)
+    block_r = max(rows, group_p)
+    block_k = max(16, triton.next_power_of_2(region_size))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    chunks = triton.cdiv(queries, chunk)
+    grid = (regions, chunks, batch * kv_heads)
+    _region_dkdv_kernel[grid](
+        query, key, value, grad_out, lse, delta, offsets, selections, region_sources, dk, dv,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        lse.stride(0), lse.stride(1),
+        region_sources.stride(0), region_sources.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        kv_heads, key.shape[1], regions, chunks, query_start, scale, scale * LOG2E,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, REGION_SIZE=region_size,
+        BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_R=block_r,
+        **flags,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return dk, dv
