@@ -343,6 +343,8 @@ def _against_dense(area: str) -> Callable[[list[dict]], dict[str, list]]:
                         throughput=_tflops(dense["tflops"]),
                     )
                 )
+            for kind in {n.rpartition("-")[0] for n in named}:
+                _fold_auto(named, kind)
             for name, native in named.items():
                 if name.startswith("sweep"):
                     continue
@@ -350,6 +352,8 @@ def _against_dense(area: str) -> Callable[[list[dict]], dict[str, list]]:
                 what = f"{kind} selection, {backend}"
                 if "chose" in native:
                     what += f" (chose {native['chose']})"
+                if native.get("auto_choice"):
+                    what += " (auto's choice)"
                 out.append(
                     row(
                         what + ", fwd+bwd",

@@ -12,9 +12,14 @@ above the query's global row (causal). Only those rows are loaded; region ids ar
 token ids in memory.
 
 Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. The backward recomputes
-P from it, keeps dQ in registers and scatters dK and dV into FP32 buffers with FP32 atomics (one add
-per visible key and column; no key repeats inside a program, regions being disjoint). As in
-`sparse_gqa`'s gather backward, when the keys' FP32 accumulators outgrow the L2 cache it runs in
+P from it and keeps dQ in registers. dK and dV come one of two ways (the backward config's "DKV"):
+"key_major" (the default for regions of up to 64 keys; `key_major.py`) leaves them to per-region
+programs over the inverse routes, and this kernel stores the rows' delta for them; "atomic"
+scatters them into FP32 buffers with FP32 atomics (one add per visible key and column; no key
+repeats inside a program, regions being disjoint). The key-major way is the faster one at the
+Step-5 geometry on the H200 (`bench_sparse_region_attention.py --sweep-gather bwd` times both).
+For the atomic way, as in `sparse_gqa`'s gather backward, when the keys' FP32 accumulators outgrow
+the L2 cache it runs in
 passes over region ranges (`REGION_SPLIT` regions each; region ids number the key rows in order, so a
 region range is a key range): a program (query, group, pass) visits only its slots inside the range
 (bounds found by binary search on the ascending routes), programs are numbered pass-major, and dQ is
@@ -242,12 +247,19 @@ def _region_bwd_kernel(
 
 
 def default_config(head_dim: int, backward: bool) -> dict:
-    """Keys per step (`BLOCK_W`), warps and pipeline stages of one launch, and for the backward the
-    regions per pass (`REGION_SPLIT`; 0 = one pass; the launcher turns the key count
-    PASS_ACCUMULATOR_ELEMENTS // head_dim into regions). These are `sparse_gqa`'s gather defaults
-    (its H200 sweeps on scattered token routes), not a sweep over region routes."""
+    """Keys per step (`BLOCK_W`), warps and pipeline stages of one launch; for the backward also the
+    dK/dV way (`DKV`) and, for the atomic way, the keys per pass (`KEY_SPLIT`; 0 = one pass; None:
+    PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). The forward is
+    `sparse_gqa`'s gather default, which the H200 sweep on CSA routes at D 192 kept; the backward
+    is that sweep's best (key-major dK/dV, 2 stages)."""
     if backward:
-        return {"BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "KEY_SPLIT": None, "DKV": "key_major"}
+        return {
+            "BLOCK_W": 32,
+            "num_warps": 4,
+            "num_stages": 2,
+            "KEY_SPLIT": None,
+            "DKV": "key_major",
+        }
     return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
 
 
