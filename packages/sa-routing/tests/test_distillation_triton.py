@@ -29,6 +29,45 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # -- kernels against explicit sums ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
+def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted) -> None:
+    """Invalid slots, an id past the unit count (read as the last unit), strided index queries,
+    index heads and dims that are not powers of two, more slots than one step."""
+    from sa_routing.distillation.slot_logits import slot_grads, slot_logits
+
+    gen = seeded(11)
+    rows, groups, heads, dim, units, slots = 5, 3, 3, 20, 9, 37
+    queries = torch.randn(rows, heads, groups, dim, generator=gen).transpose(1, 2)
+    queries.requires_grad_()
+    weights = torch.rand(rows, groups, heads, generator=gen).requires_grad_() if weighted else None
+    keys = torch.randn(units + 2, dim, generator=gen).requires_grad_()  # U' > U rows
+    ids = torch.randint(0, units + 3, (groups, rows, slots), generator=gen, dtype=torch.int32)
+    valid = torch.rand(groups, rows, slots, generator=gen) < 0.7
+    valid[0, 1] = False  # a row without a valid slot
+    scale = 0.3
+    logits = slot_logits(queries.detach(), weights, scale, keys.detach(), ids, valid, count=units)
+    picked = keys[ids.long().clamp_max(units - 1)]  # [G, rows, K, Di]
+    dots = queries.transpose(0, 1) @ picked.transpose(-1, -2)  # [G, rows, Hi, K]
+    coefficient = scale if weights is None else weights.transpose(0, 1)[..., None]
+    want = torch.where(valid, (torch.relu(dots) * coefficient).sum(dim=2), 0.0)
+    torch.testing.assert_close(logits, want.detach(), rtol=1e-5, atol=1e-5)
+    d_logits = torch.randn(valid.shape, generator=gen) * valid
+    inputs = (queries, keys) + ((weights,) if weighted else ())
+    expected = torch.autograd.grad(want, inputs, d_logits)
+    d_queries = torch.full((rows, groups, heads, dim), float("nan"))  # overwritten
+    d_weights = torch.full((rows, groups, heads), float("nan")) if weighted else None
+    d_keys = torch.ones(units + 2, dim)  # added to
+    slot_grads(
+        queries.detach(), weights, scale, keys.detach(), ids, valid, d_logits,
+        d_queries, d_weights, d_keys, count=units,
+    )  # fmt: skip
+    torch.testing.assert_close(d_queries, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_keys - 1, expected[1], rtol=1e-5, atol=1e-5)
+    if weighted:
+        torch.testing.assert_close(d_weights, expected[2], rtol=1e-5, atol=1e-5)
+    assert expected[1][units:].abs().max() == 0 and expected[1][units - 1].abs().max() > 0
+
+
 def _documents(lengths: list[int], total: int) -> torch.Tensor:
     """int64 [S]: document of every row (documents packed in order, then -1 padding)."""
     docs = torch.full((total,), -1, dtype=torch.int64)

@@ -515,8 +515,10 @@ def _tiled(
     (Triton path, automatic tiles)."""
     if isinstance(problem, SlotProblem):
         slots = problem.slot_units.shape[-1]
-        per_row = groups * slots * max(index_dim, index_heads)  # gathered unit keys, dots
-        if problem.backend == "torch":  # gathered main keys and scores of one (group, KV head)
+        if problem.backend == "triton":  # a tile's ~8 FP32 [G, rows, K] (mass, target, logits, ...)
+            per_row = 8 * groups * slots
+        else:  # gathered unit keys and dots, main keys and scores of one (group, KV head)
+            per_row = groups * slots * max(index_dim, index_heads)
             heads, dim = problem.query.shape[2:]
             keys = slots * problem.unit_rows.shape[-1] + problem.suffix_rows.shape[-1]
             per_row = max(per_row, keys * max(dim, heads // groups))

@@ -10,15 +10,18 @@ occurrence of a valid unit, so a repeated unit counts once. Per tile of query ro
    that attention attends: the distinct selected units' visible keys and the suffix (QSA tail, CSA
    current region: `suffix_rows`). The PyTorch path gathers the slots' keys per (group, KV head);
    the Triton path (`triton_kernels.sparse_mass`) reads them through the unit table in registers;
-2. the indexer's FP32 logits of the valid slots only, from the unit keys gathered per slot
-   (`Σ_h c_h · relu(q_h · k_slot)`), their log-softmax over the valid slots, `KL(target || indexer)`;
+2. the indexer's FP32 logits of the valid slots only (`Σ_h c_h · relu(q_h · k_slot)`), their
+   log-softmax over the valid slots, `KL(target || indexer)`. The PyTorch path gathers the slots'
+   unit keys per tile; the Triton path (`slot_logits`) reads them from the unit table in registers;
 3. the gradients of the tile's loss with respect to the index queries, head weights and unit keys,
-   by hand from `softmax − target`; the unit keys' gradient is an `index_add` over the slots' ids.
+   by hand from `softmax − target`; the unit keys' gradient is an `index_add` over the slots' ids
+   (Triton path: `slot_logits.slot_grads`, FP32 atomic adds).
 
-Memory: a tile holds at most `_SLOT_ELEMENTS` (64M, 256 MiB FP32) elements in its largest gathered
-tensor (`[G, rows, K, index_dim]` unit keys; on the PyTorch path also `[rows, K · UNIT, head_dim]`
-main keys of one (group, KV head)), or one query's row where that is larger; the target and logits
-are `[G, rows, K]`. No tensor is indexed by all units. The slot layout itself (int32 ids and bool
+Memory: a tile holds at most `_SLOT_ELEMENTS` (64M, 256 MiB FP32) elements in its largest tensor
+(PyTorch path: the `[G, rows, K, index_dim]` gathered unit keys and `[rows, K · UNIT, head_dim]`
+main keys of one (group, KV head); Triton path: an eighth of it in each `[G, rows, K]` tensor, the
+target, logits and their gradient), or one query's row where that is larger. No tensor is indexed
+by all units. The slot layout itself (int32 ids and bool
 validity, `[B, G, Q, K]`) is sorted `_SORT_ELEMENTS` ids at a time, so its int64 temporaries stay
 small beside the selection.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .blockwise import DistillationTile
+from .slot_logits import slot_grads, slot_logits
 
 _NEG_INF = float("-inf")
 _SLOT_ELEMENTS = 1 << 26  # elements of a tile's largest gathered tensor (256 MiB FP32)
@@ -270,16 +274,21 @@ def slot_distillation_sum(
             mass = mass * valid
             norm = mass.sum(dim=-1, keepdim=True)
             target = torch.where(norm > 0, mass / norm.clamp_min(tiny), 0.0)
-        ids = problem.slot_units[b, :, q0:q1].long().clamp_max(count - 1)  # [G, rows, K]
-        keys = unit_keys[b].float()[ids]  # [G, rows, K, Di]
-        queries = index_queries[b, q0:q1].float().transpose(0, 1)  # [G, rows, Hi, Di]
-        coefficient = (
-            index_scale
-            if index_weights is None
-            else index_weights[b, q0:q1].float().transpose(0, 1)[..., None]
-        )  # [G, rows, Hi, 1]
-        dots = queries @ keys.transpose(-1, -2)  # [G, rows, Hi, K]
-        logits = (torch.relu(dots) * coefficient).sum(dim=2)  # [G, rows, K]
+        units = problem.slot_units[b, :, q0:q1]  # [G, rows, K]
+        weights = None if index_weights is None else index_weights[b, q0:q1]
+        fused = problem.backend == "triton"
+        if fused:  # the unit keys read in registers (`slot_logits`)
+            tile_args = (index_queries[b, q0:q1], weights, index_scale, unit_keys[b], units, valid)
+            logits = slot_logits(*tile_args, count=count)
+        else:
+            ids = units.long().clamp_max(count - 1)
+            keys = unit_keys[b].float()[ids]  # [G, rows, K, Di]
+            queries = index_queries[b, q0:q1].float().transpose(0, 1)  # [G, rows, Hi, Di]
+            coefficient = (
+                index_scale if weights is None else weights.float().transpose(0, 1)[..., None]
+            )  # [G, rows, Hi, 1]
+            dots = queries @ keys.transpose(-1, -2)  # [G, rows, Hi, K]
+            logits = (torch.relu(dots) * coefficient).sum(dim=2)  # [G, rows, K]
         any_valid = valid.any(dim=-1, keepdim=True)
         logits = torch.where(valid, logits, torch.where(any_valid, _NEG_INF, 0.0))
         log_probabilities = torch.log_softmax(logits, dim=-1)
@@ -292,6 +301,16 @@ def slot_distillation_sum(
         if not (want_q or want_w or want_k):
             continue
         d_logits = (torch.exp(log_probabilities) - target) * valid * row_weight[..., None]
+        if fused:  # a tile's rows are its own: the kernel stores their d_queries, d_weights
+            slot_grads(
+                *tile_args,
+                d_logits,
+                d_queries[b, q0:q1] if want_q else None,
+                d_weights[b, q0:q1] if want_w else None,
+                d_keys[b] if want_k else None,
+                count=count,
+            )
+            continue
         d_logits = d_logits[:, :, None]  # [G, rows, 1, K]
         if want_w:
             d_weights[b, q0:q1] += (d_logits * torch.relu(dots)).sum(dim=-1).transpose(0, 1)
