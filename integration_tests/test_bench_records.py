@@ -123,6 +123,7 @@ NATIVE = {
     "sparse_region_attention": [
         _gqa("dense-causal-sdpa", "S32768-H64/4-D192-R8-k512", 120.0),
         _gqa("csa-gather", "S32768-H64/4-D192-R8-k512", 80.0),
+        _gqa("csa-auto", "S32768-H64/4-D192-R8-k512", 80.5, chose="gather"),
         _gqa("short-docs-auto", "S32768-H64/4-D192-R8-k512", 60.0, chose="flex"),
         {
             "name": "sweep-gather-bwd",
@@ -324,12 +325,51 @@ def test_throughput_and_ratio_goals_fail_when_the_numbers_do():
 def test_region_attention_rows_are_judged_against_dense_of_their_shape():
     rows = bench_adapters.records("sparse_region_attention", NATIVE["sparse_region_attention"])
     rows = rows["sparse_region_attention"]
+    # csa's auto row folds into the gather row it chose; short-docs' choice was not measured alone
     assert [r["what"] for r in rows] == [
         "dense causal SDPA, K/V expanded, fwd+bwd",
-        "csa selection, gather, fwd+bwd",
+        "csa selection, gather (auto's choice), fwd+bwd",
         "short-docs selection, auto (chose flex), fwd+bwd",
     ]
     assert rows[1]["ratio"] == 1.5 and rows[2]["ratio"] == 2.0
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", None], ids=["gpu-run", "gpu-less-run"])
+def test_records_from_a_saved_run_follow_its_rows_and_stay_out_of_the_record_when_gpu_less(
+    tmp_path, monkeypatch, gpu
+):
+    env = {**dict.fromkeys(bench_records.ENVIRONMENT_KEYS), "gpu": gpu, "commit": "abc1234"}
+    run = {
+        "environment": env,
+        "tests": [],
+        "benchmarks": [
+            {
+                "benchmark": "sparse_gqa",
+                "command": "python packages/sa-kernels/benchmarks/bench_sparse_gqa.py --long",
+                "returncode": 0,
+                "rows": NATIVE["sparse_gqa"],
+            },
+            {"benchmark": "rms_norm", "command": "python x.py", "returncode": 1, "rows": []},
+        ],
+    }
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run))
+    record, quick = tmp_path / "record", tmp_path / "quick"
+    monkeypatch.setattr(gpu_tests, "RESULTS", record)
+    monkeypatch.setattr(gpu_tests, "QUICK_RESULTS", quick)
+    assert gpu_tests.rewrite_records(str(saved), None) == 0
+    folder = record if gpu else quick
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "sparse_gqa_clustered.json",
+        "sparse_gqa_scattered.json",
+    ]
+    written = json.loads((folder / "sparse_gqa_clustered.json").read_text())
+    assert written["environment"]["commit"] == "abc1234"
+    assert (
+        written["rows"]
+        == bench_adapters.records("sparse_gqa", NATIVE["sparse_gqa"])["sparse_gqa_clustered"]
+    )
+    assert not (quick if gpu else record).exists()
 
 
 def test_a_script_without_adapter_must_write_record_rows():

@@ -176,14 +176,20 @@ def write_benchmark_records(result: dict, env: dict, results: Path) -> bool:
     return True
 
 
-def rewrite_records(run_json: str, results: Path) -> int:
+def rewrite_records(run_json: str, results: Path | None) -> int:
     """Record files again from the rows an earlier run saved (`--json`), for an adapter that changed:
-    no GPU, the run's own environment and commit."""
+    no GPU, the run's own environment and commit. A quick run's or a GPU-less run's rows go to
+    .bench-out/results unless `results` is given: they are not the record."""
     report = json.loads(Path(run_json).read_text())
+    not_the_record = not report["environment"].get("gpu")
     code = 0
     for result in report["benchmarks"]:
+        quick = "--quick" in shlex.split(result["command"]) and "--quick" not in RECORD_ARGS.get(
+            result["benchmark"], ()
+        )
+        folder = results or (QUICK_RESULTS if quick or not_the_record else RESULTS)
         if result["returncode"] == 0:
-            ok = write_benchmark_records(result, report["environment"], results)
+            ok = write_benchmark_records(result, report["environment"], folder)
             code = code or (0 if ok else 1)
             print(f"bench {result['benchmark']:<24} -> {', '.join(result.get('record_files', []))}")
     return code
@@ -253,7 +259,7 @@ def main() -> int:
     not_the_record = args.quick or args.cpu_bench
     results = Path(args.results) if args.results else QUICK_RESULTS if not_the_record else RESULTS
     if args.records_from:
-        return rewrite_records(args.records_from, results)
+        return rewrite_records(args.records_from, Path(args.results) if args.results else None)
     if args.dry_run:
         if run_pytest:
             part = "" if args.part[1] == 1 else f"  (part {args.part[0]}/{args.part[1]})"

@@ -248,16 +248,18 @@ def test_gather_long_regions_and_region_passes_match_reference(region_size, bloc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("heads", "groups", "region_size", "chunk"),
-    [(4, 2, 4, 2), (3, 1, 8, 3), (6, 2, 20, None), (2, 2, 3, 1)],
-    ids=["hpg2-R4-chunk2", "hpg3-R8-chunk3", "hpg3-R20-one-chunk", "hpg1-R3-chunk1"],
+    ("batch", "heads", "groups", "region_size", "chunk"),
+    [(1, 4, 2, 4, 2), (2, 3, 1, 8, 3), (1, 6, 2, 16, None), (2, 2, 2, 3, 1)],
+    ids=["hpg2-R4-chunk2", "B2-hpg3-R8-chunk3", "hpg3-R16-one-chunk", "B2-hpg1-R3-chunk1"],
 )
-def test_key_major_dkdv_matches_reference(heads, groups, region_size, chunk, dtype):
+def test_key_major_dkdv_matches_reference(batch, heads, groups, region_size, chunk, dtype):
     """The key-major dK/dV (inverse routes, per-region programs over query chunks) and the dQ-only
     query-major launch beside it, on documents, an empty row, the causal cut and a CP offset."""
     queries, kv_length, start = 7, 64, 57
-    q, k, v, gen = _inputs(1, queries, heads, groups, 16, kv_length, dtype, seed=region_size)
-    ids, sources = _case(1, queries, kv_length, region_size, groups, 6, start, region_size, (2,))
+    q, k, v, gen = _inputs(batch, queries, heads, groups, 16, kv_length, dtype, seed=region_size)
+    ids, sources = _case(
+        batch, queries, kv_length, region_size, groups, 6, start, region_size, (2,)
+    )
     mask = build_region_block_mask(
         ids, sources, kv_length, heads, query_start=start, build_flex=False
     )
@@ -298,13 +300,16 @@ def test_inverse_routes_lists_every_selection_once():
     order = torch.where(keep, torch.arange(regions), regions).sort(-1).values
     routes = order[..., :6].to(torch.int32).contiguous()  # canonical, sentinel `regions`
     counts = counts.clamp(max=6)
-    offsets, selections = inverse_routes(routes, counts, regions, chunk)
+    routes[1, 2, 3, 0] = regions + 5  # out of range inside the count: skipped
+    counts[1, 2, 3] = counts[1, 2, 3].clamp(min=1)
+    ends, selections = inverse_routes(routes, counts, regions, chunk)
     chunks = -(-queries // chunk)
-    assert offsets.shape == (batch * groups * chunks * regions + 1,)
-    assert int(offsets[-1]) == int(counts.sum())
+    assert ends.shape == (batch * groups * chunks * regions,)
+    assert int(ends[-1]) == int(counts.sum()) - 1
     for b, g, c, r in itertools.product(range(batch), range(groups), range(chunks), range(regions)):
         seg = ((b * groups + g) * chunks + c) * regions + r
-        got = sorted(selections[offsets[seg] : offsets[seg + 1]].tolist())
+        start = int(ends[seg - 1]) if seg else 0
+        got = sorted(selections[start : ends[seg]].tolist())
         want = [
             qi
             for qi in range(c * chunk, min(queries, (c + 1) * chunk))

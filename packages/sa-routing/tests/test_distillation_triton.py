@@ -45,7 +45,9 @@ def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted) -> N
     valid = torch.rand(groups, rows, slots, generator=gen) < 0.7
     valid[0, 1] = False  # a row without a valid slot
     scale = 0.3
-    logits = slot_logits(queries.detach(), weights, scale, keys.detach(), ids, valid, count=units)
+    # validity with other strides than the ids (copied to one layout)
+    strided = valid if weighted else valid.transpose(0, 1).contiguous().transpose(0, 1)
+    logits = slot_logits(queries.detach(), weights, scale, keys.detach(), ids, strided, count=units)
     picked = keys[ids.long().clamp_max(units - 1)]  # [G, rows, K, Di]
     dots = queries.transpose(0, 1) @ picked.transpose(-1, -2)  # [G, rows, Hi, K]
     coefficient = scale if weights is None else weights.transpose(0, 1)[..., None]
@@ -58,7 +60,7 @@ def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted) -> N
     d_weights = torch.full((rows, groups, heads), float("nan")) if weighted else None
     d_keys = torch.ones(units + 2, dim)  # added to
     slot_grads(
-        queries.detach(), weights, scale, keys.detach(), ids, valid, d_logits,
+        queries.detach(), weights, scale, keys.detach(), ids, strided, d_logits,
         d_queries, d_weights, d_keys, count=units,
     )  # fmt: skip
     torch.testing.assert_close(d_queries, expected[0], rtol=1e-5, atol=1e-5)

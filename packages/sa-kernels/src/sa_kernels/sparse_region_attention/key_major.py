@@ -7,11 +7,16 @@ once per query and scatters that query's dK/dV into FP32 buffers: at the Step-5 
 KV group, regions of 8 keys, D 192) the FP32 atomic adds are most of its time. Here the inverse routes
 (`inverse_routes`: for every (batch, group, query chunk, region) the queries that selected the region,
 as a CSR list) let a program hold the region's K/V rows and read the selecting queries' Q and dO rows
-instead; its rows are (query, head) pairs, `64 // heads-per-group` queries per step. Programs run
-region-fastest inside a (group, query chunk), so the programs on the GPU at one time share that
-chunk's Q and dO rows in the L2 cache (`QUERY_CHUNK` queries: 16 MiB of both at the default). A
-region's sums over the chunks meet in FP32 buffers with one atomic add per (region, chunk). dQ comes
-from the query-major kernel with its dK/dV part left out.
+instead; its rows are (query, head) pairs, STEP_ROWS // (heads per group, rounded up to a power of
+two) queries per step. Programs run region-fastest inside a (group, query chunk), so the programs
+on the GPU at one time share that chunk's Q and dO rows in the L2 cache (`QUERY_CHUNK` queries:
+CHUNK_BYTES of both at the default, and at most MAX_CHUNKS chunks, so that the CSR's segments grow
+with the sequence, not its square). A region's sums over the chunks meet in FP32 buffers with one
+atomic add per (region, chunk). dQ comes from the query-major kernel with its dK/dV part left out.
+
+Memory: the CSR holds one int32 per route slot (the routes' own size) and one int64 per (batch,
+group, chunk, region) segment. A program holds its region's K, V, dK and dV rows: regions up to
+`fits`' bound (16 keys at head_dim 256) take this path, longer ones the atomic one.
 
 Order within a CSR list follows atomic counters, so the FP32 sums of dK/dV may differ in their last
 bits between runs (as the query-major atomics do).
@@ -26,8 +31,10 @@ from sa_kernels.triton_dot import fp32_dot
 
 # Q and dO bytes of one query chunk, per KV group, that the programs running together share in L2.
 CHUNK_BYTES = 16 * 2**20
-# Longest region a program holds whole (its key rows are the N of every dot).
-MAX_REGION_SIZE = 64
+# Most query chunks per (batch, group): bounds the CSR's segments and the grid.
+MAX_CHUNKS = 64
+# Most elements of one program's [key rows, head_dim] tiles (K, V, dK, dV each).
+MAX_TILE = 16 * 256
 # (query, head) rows of one step.
 STEP_ROWS = 64
 
@@ -53,6 +60,7 @@ def _invert_routes_kernel(
     for start in range(0, count, BLOCK_S):
         live = start + offs < count
         rid = tl.load(route + start + offs, mask=live, other=0)
+        live &= (rid >= 0) & (rid < regions)
         seg = seg_ptr + first + rid
         if FILL:
             pos = tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
@@ -61,21 +69,29 @@ def _invert_routes_kernel(
             tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
 
 
-def query_chunk(group: int, head_dim: int) -> int:
-    """Queries per chunk: the largest power of two whose Q and dO rows of one KV group (16-bit) fit
-    CHUNK_BYTES."""
-    per_query = group * head_dim * 2 * 2
-    return 1 << max(0, (CHUNK_BYTES // per_query).bit_length() - 1)
+def fits(region_size: int, head_dim: int) -> bool:
+    """Whether a program's region tiles stay within MAX_TILE elements."""
+    rows = max(16, triton.next_power_of_2(region_size))
+    return rows * max(16, triton.next_power_of_2(head_dim)) <= MAX_TILE
+
+
+def query_chunk(queries: int, group: int, head_dim: int, element_size: int) -> int:
+    """Queries per chunk: the largest power of two whose Q and dO rows of one KV group fit
+    CHUNK_BYTES, or more where the sequence would have more than MAX_CHUNKS chunks."""
+    per_query = group * head_dim * element_size * 2
+    chunk = 1 << max(0, (CHUNK_BYTES // per_query).bit_length() - 1)
+    return max(chunk, triton.cdiv(queries, MAX_CHUNKS))
 
 
 def inverse_routes(
     routes: torch.Tensor, counts: torch.Tensor, regions: int, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR of the selections by (batch, group, query chunk, region).
+    """CSR of the selections by (batch, group, query chunk, region) segment.
 
-    routes: int32 [B, G, Q, W] canonical (each row's `counts` distinct region ids first).
-    Returns offsets int64 [B·G·chunks·regions + 1] and queries int32 [at least the selections]: the
-    queries of segment s are queries[offsets[s]:offsets[s + 1]], in no particular order."""
+    routes: int32 [B, G, Q, W] canonical (each row's `counts` distinct region ids first; ids outside
+    [0, regions) are skipped). Returns ends int64 [B·G·chunks·regions] and queries int32 [at least
+    the selections]: segment s holds queries[start:ends[s]], start = ends[s − 1] (0 for s = 0), in
+    no particular order."""
     batch, kv_heads, queries, width = routes.shape
     chunks = triton.cdiv(queries, chunk)
     segments = torch.zeros(batch * kv_heads * chunks * regions + 1, dtype=torch.int64,
@@ -90,20 +106,21 @@ def inverse_routes(
         routes, counts, segments[1:], segments, *common,
         QUERY_CHUNK=chunk, BLOCK_S=block_s, FILL=False,
     )  # fmt: skip
-    offsets = segments.cumsum_(0)
-    cursor = offsets[:-1].clone()
+    # segments[s] is now the start of segment s; the fill moves each start to its end (= the next
+    # start), so that segments[:-1] ends as the ends, in place
+    segments.cumsum_(0)
     # sized by the route slots, not the selections: no host sync to read their count
     selections = torch.empty(max(1, routes.numel()), dtype=torch.int32, device=routes.device)
     _invert_routes_kernel[grid](
-        routes, counts, cursor, selections, *common,
+        routes, counts, segments, selections, *common,
         QUERY_CHUNK=chunk, BLOCK_S=block_s, FILL=True,
     )  # fmt: skip
-    return offsets, selections
+    return segments[:-1], selections
 
 
 @triton.jit
 def _region_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, offsets_ptr, list_ptr, src_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ends_ptr, list_ptr, src_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -121,8 +138,8 @@ def _region_dkdv_kernel(
     region = tl.program_id(0)
     bh = tl.program_id(2)
     seg = (bh.to(tl.int64) * chunks + tl.program_id(1)) * regions + region
-    lo = tl.load(offsets_ptr + seg)
-    hi = tl.load(offsets_ptr + seg + 1)
+    lo = tl.load(ends_ptr + seg - 1, mask=seg > 0, other=0)
+    hi = tl.load(ends_ptr + seg)
     if hi > lo:
         b64 = (bh // kv_heads).to(tl.int64)
         h = bh % kv_heads
@@ -201,14 +218,15 @@ def region_dkdv_key_major(
 
     query, grad_out: [B, Q, H, D] (unit last stride); key, value: [B, S, G, D]; lse: FP32 [B, H, Q]
     (log2 domain of scale·scores, +inf for rows with no visible key); delta: FP32 [B, H, Q] (rowsum of
-    dO·O), same strides as lse; routes int32 [B, G, Q, W] canonical with `counts` int32 [B, G, Q];
-    region_sources int32 [B, regions, region_size ≤ MAX_REGION_SIZE]; `flags`: `dot_flags(query)`."""
+    dO·O), same strides as lse, unit last stride; routes int32 [B, G, Q, W] canonical with `counts`
+    int32 [B, G, Q]; region_sources int32 [B, regions, region_size] (`fits(region_size, head_dim)`);
+    `flags`: `dot_flags(query)`."""
     batch, queries, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
     regions, region_size = region_sources.shape[1:]
-    chunk = chunk or query_chunk(group, head_dim)
-    offsets, selections = inverse_routes(routes, counts, regions, chunk)
+    chunk = chunk or query_chunk(queries, group, head_dim, query.element_size())
+    ends, selections = inverse_routes(routes, counts, regions, chunk)
     dk = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     dv = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     group_p = triton.next_power_of_2(group)
@@ -218,7 +236,7 @@ def region_dkdv_key_major(
     chunks = triton.cdiv(queries, chunk)
     grid = (regions, chunks, batch * kv_heads)
     _region_dkdv_kernel[grid](
-        query, key, value, grad_out, lse, delta, offsets, selections, region_sources, dk, dv,
+        query, key, value, grad_out, lse, delta, ends, selections, region_sources, dk, dv,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),

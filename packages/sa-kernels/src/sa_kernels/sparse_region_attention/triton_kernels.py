@@ -13,7 +13,7 @@ token ids in memory.
 
 Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. The backward recomputes
 P from it and keeps dQ in registers. dK and dV come one of two ways (the backward config's "DKV"):
-"key_major" (the default for regions of up to 64 keys; `key_major.py`) leaves them to per-region
+"key_major" (the default where `key_major.fits`: 16-key regions at head_dim 256) leaves them to per-region
 programs over the inverse routes, and this kernel stores the rows' delta for them; "atomic"
 scatters them into FP32 buffers with FP32 atomics (one add per visible key and column; no key
 repeats inside a program, regions being disjoint). The key-major way is the faster one at the
@@ -39,7 +39,7 @@ from sa_kernels.sparse_gqa.triton_kernels import (
 )
 from sa_kernels.triton_dot import fp32_dot
 
-from .key_major import MAX_REGION_SIZE as MAX_KEY_MAJOR_REGION
+from .key_major import fits as key_major_fits
 from .key_major import region_dkdv_key_major
 
 MAX_HEAD_DIM = 256
@@ -249,9 +249,9 @@ def _region_bwd_kernel(
 def default_config(head_dim: int, backward: bool) -> dict:
     """Keys per step (`BLOCK_W`), warps and pipeline stages of one launch; for the backward also the
     dK/dV way (`DKV`) and, for the atomic way, the keys per pass (`KEY_SPLIT`; 0 = one pass; None:
-    PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). The forward is
-    `sparse_gqa`'s gather default, which the H200 sweep on CSA routes at D 192 kept; the backward
-    is that sweep's best (key-major dK/dV, 2 stages)."""
+    PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). Both are the
+    fastest launches of `bench_sparse_region_attention.py --sweep-gather` on the H200 at the Step-5
+    geometry (CSA routes, 32k tokens, D 192)."""
     if backward:
         return {
             "BLOCK_W": 32,
@@ -271,6 +271,8 @@ SWEEP_FORWARD_CONFIGS = [
     for stages in (2, 3)
 ]
 SWEEP_BACKWARD_CONFIGS = [
+    {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": None, "DKV": "atomic"},
+] + [
     {
         "BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "DKV": "key_major",
         "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": 2,
@@ -358,18 +360,23 @@ def region_attention_backward(
     *,
     _config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32; `_config` as for the forward
-    plus "KEY_SPLIT" (keys per pass, 0: one pass, None: the default).
+    """dq (query dtype), dk, dv (key/value dtype), accumulated in FP32. `_config` as for the forward
+    (the dQ launch) plus "DKV" ("key_major" or "atomic"; regions `key_major.fits` refuses take
+    "atomic"); for "atomic", "KEY_SPLIT" (keys per pass, 0: one pass, None: the default); for
+    "key_major", "QUERY_CHUNK" (None: `key_major.query_chunk`), "KEY_MAJOR_ROWS",
+    "KEY_MAJOR_WARPS" and "KEY_MAJOR_STAGES" of its launch.
 
-    dK and dV are FP32 atomic sums, so their last bits can differ between runs; with more than one
-    pass, dq too (summed over the passes in an FP32 buffer of the query's shape)."""
+    dK and dV are FP32 atomic sums (per pair, or per region and query chunk), so their last bits
+    can differ between runs; with more than one pass, dq too (summed over the passes in an FP32
+    buffer of the query's shape)."""
     batch, queries, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
     regions, region_size = region_sources.shape[1:]
     config = _config or default_config(head_dim, backward=True)
     block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
-    key_major = config.get("DKV") == "key_major" and region_size <= MAX_KEY_MAJOR_REGION
+    key_major = config.get("DKV") == "key_major" and key_major_fits(region_size, head_dim)
+    lse = lse.contiguous()  # delta takes its layout
     if key_major:  # this launch: dQ and delta; dK, dV after it
         split, passes = 0, 1
         bounds, dq, delta = counts, torch.zeros_like(query), torch.empty_like(lse)

@@ -164,6 +164,8 @@ def _launch(index_queries, index_weights, unit_keys, slot_units, slot_valid, sca
     slot_units int32 / slot_valid bool [G, rows, K]; unit ids read as at most count − 1."""
     rows, groups, index_heads, index_dim = index_queries.shape
     slots = slot_units.shape[-1]
+    if slot_valid.stride() != slot_units.stride():  # the kernels read both with one set of strides
+        slot_units, slot_valid = slot_units.contiguous(), slot_valid.contiguous()
     weights = index_weights if index_weights is not None else index_queries
     args = (
         index_queries.stride(0), index_queries.stride(1), index_queries.stride(2),
