@@ -371,6 +371,35 @@ def parse_args(argv=None):
     return parser, args
 
 
+def _report(args, world: int, checks: list[dict], started: float) -> int:
+    """Rank 0's table (and --json report) of the checks; 0 if all passed, else 1."""
+    passed = all(c["pass"] for c in checks)
+    print(
+        f"cp_parity: world size {world} ({args.backend}, {args.device}, {str(args.dtype).removeprefix('torch.')}, "
+        f"size {args.size}), indexer training {args.indexer_training}"
+        f"{', checkpointing' if args.checkpointing else ''}: {'PASS' if passed else 'FAIL'}"
+    )
+    print(table(checks))
+    if args.json:
+        report = {
+            "world_size": world,
+            "backend": args.backend,
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "dtype": str(args.dtype).removeprefix("torch."),
+            "size": args.size,
+            "geometry": {k: cpm.geometry(k, args.size) for k in args.kinds},
+            "indexer_training": args.indexer_training,
+            "checkpointing": args.checkpointing,
+            "torch": torch.__version__,
+            "seconds": round(time.perf_counter() - started, 1),
+            "passed": passed,
+            "checks": checks,
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if passed else 1
+
+
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
     rank, world, device = cpm.init_distributed(args.backend, args.device)
@@ -401,33 +430,10 @@ def main(argv=None) -> int:
             for kind in args.kinds:  # at the first --tokens
                 for packed in batches:
                     checks += training_case(args, kind, packed, args.tokens[0], mesh, device)
-        if rank != 0:
-            return 0
-        passed = all(c["pass"] for c in checks)
-        print(
-            f"cp_parity: world size {world} ({args.backend}, {args.device}, {str(args.dtype).removeprefix('torch.')}, "
-            f"size {args.size}), indexer training {args.indexer_training}"
-            f"{', checkpointing' if args.checkpointing else ''}: {'PASS' if passed else 'FAIL'}"
-        )
-        print(table(checks))
-        if args.json:
-            report = {
-                "world_size": world,
-                "backend": args.backend,
-                "device": args.device,
-                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                "dtype": str(args.dtype).removeprefix("torch."),
-                "size": args.size,
-                "geometry": {k: cpm.geometry(k, args.size) for k in args.kinds},
-                "indexer_training": args.indexer_training,
-                "checkpointing": args.checkpointing,
-                "torch": torch.__version__,
-                "seconds": round(time.perf_counter() - started, 1),
-                "passed": passed,
-                "checks": checks,
-            }
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        return 0 if passed else 1
+        code = _report(args, world, checks, started) if rank == 0 else 0
+        # the ranks leave together: tearing gloo down while a peer still works can abort it
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 
