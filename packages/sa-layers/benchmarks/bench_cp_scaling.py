@@ -315,6 +315,7 @@ def main(argv=None) -> None:
                     kept = [r for r in earlier if (r["what"], r["shape"]) not in new]
                     with open(args.json, "w") as f:
                         json.dump(kept + rows, f, indent=1, ensure_ascii=False)
+        dist.barrier()  # the ranks leave together, as in tools/cp_parity.py
     finally:
         dist.destroy_process_group()
 
