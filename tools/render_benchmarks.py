@@ -162,7 +162,7 @@ def speedup_series(records: dict[str, dict]) -> dict[str, list[tuple[int, float]
             what = row["what"].removesuffix(", fwd+bwd").removesuffix(" (auto's choice)")
             label = f"{what}, {match[2]}"
             # a row judged against dense carries its own run's dense time
-            own = row.get("baseline", "").startswith("dense") and row.get("baseline_ms")
+            own = (row.get("baseline") or "").startswith("dense") and row.get("baseline_ms")
             speedup = (own or dense[row["shape"]]) / row["time_ms"]
             series.setdefault(label, []).append((int(match[1]), speedup))
     return {k: sorted(v) for k, v in series.items()}

@@ -61,18 +61,21 @@ def _invert_routes_kernel(
         live = start + offs < count
         rid = tl.load(route + start + offs, mask=live, other=0)
         live &= (rid >= 0) & (rid < regions)
-        seg = seg_ptr + first + rid
+        one = tl.full([BLOCK_S], 1, tl.int64)
+        pos = tl.atomic_add(seg_ptr + first + rid, one, mask=live, sem="relaxed")
         if FILL:
-            pos = tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
             tl.store(list_ptr + pos, tl.full([BLOCK_S], 0, tl.int32) + q_idx, mask=live)
-        else:
-            tl.atomic_add(seg, tl.full([BLOCK_S], 1, tl.int64), mask=live, sem="relaxed")
+
+
+def _tile(region_size: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_D): a program's key rows (at least 16, the dots' least M) and columns."""
+    return max(16, triton.next_power_of_2(region_size)), max(16, triton.next_power_of_2(head_dim))
 
 
 def fits(region_size: int, head_dim: int) -> bool:
     """Whether a program's region tiles stay within MAX_TILE elements."""
-    rows = max(16, triton.next_power_of_2(region_size))
-    return rows * max(16, triton.next_power_of_2(head_dim)) <= MAX_TILE
+    block_k, block_d = _tile(region_size, head_dim)
+    return block_k * block_d <= MAX_TILE
 
 
 def query_chunk(queries: int, group: int, head_dim: int, element_size: int) -> int:
@@ -231,8 +234,7 @@ def region_dkdv_key_major(
     dv = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     group_p = triton.next_power_of_2(group)
     block_r = max(rows, group_p)
-    block_k = max(16, triton.next_power_of_2(region_size))
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_k, block_d = _tile(region_size, head_dim)
     chunks = triton.cdiv(queries, chunk)
     grid = (regions, chunks, batch * kv_heads)
     _region_dkdv_kernel[grid](
