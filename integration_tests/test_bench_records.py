@@ -131,6 +131,16 @@ NATIVE = {
             "config": {},
             "ms": 50.0,
         },
+        {
+            "name": "breakdown",
+            "shape": "S32768-H64/4-D192-R8-k512",
+            "kernel": "forward",
+            "ms": 20.0,
+            "reads": "keys",
+            "read_gb": 100.0,
+            "tb_per_s": 5.0,
+        },
+        {"name": "breakdown", "shape": "S32768-H64/4-D192-R8-k512", "kernel": "other", "ms": 1.0},
     ],
     "scatter_add": [
         {
@@ -330,8 +340,12 @@ def test_region_attention_rows_are_judged_against_dense_of_their_shape():
         "dense causal SDPA, K/V expanded, fwd+bwd",
         "csa selection, gather (auto's choice), fwd+bwd",
         "short-docs selection, auto (chose flex), fwd+bwd",
+        "csa gather kernel: forward",
+        "csa gather kernel: other",
     ]
     assert rows[1]["ratio"] == 1.5 and rows[2]["ratio"] == 2.0
+    assert rows[3]["throughput"] == "5.00 TB/s of K/V rows (100 GB)" and rows[3]["baseline"] is None
+    assert "throughput" not in rows[4]
 
 
 @pytest.mark.parametrize("gpu", ["NVIDIA H200", None], ids=["gpu-run", "gpu-less-run"])

@@ -16,6 +16,7 @@ from bench_records import row
 RECORD_ARGS = {
     "sparse_gqa": ["--long"],
     "step5_indexer": ["--quick", "--profile", "--lengths", "65536", "131072"],
+    "sparse_region_attention": ["--breakdown"],
 }
 
 
@@ -325,10 +326,13 @@ def _sparse_gqa(rows: list[dict]) -> dict[str, list]:
 
 def _against_dense(area: str) -> Callable[[list[dict]], dict[str, list]]:
     """Rows named `dense-causal-sdpa` and `<kind>-<backend>` per shape (the sparse GQA layout):
-    each fwd+bwd row against the dense row of its shape; launch sweeps left out."""
+    each fwd+bwd row against the dense row of its shape; launch sweeps left out; `breakdown` rows
+    (kernel ms and the TB/s of the rows it gathers) after the shape's rows."""
 
     def adapt(rows: list[dict]) -> dict[str, list]:
         out = []
+        kernels = [r for r in rows if r["name"] == "breakdown"]
+        rows = [r for r in rows if r["name"] != "breakdown"]
         shapes = dict.fromkeys(r["shape"] for r in rows if not r["name"].startswith("sweep"))
         for native_shape in shapes:
             named = {r["name"]: r for r in rows if r["shape"] == native_shape}
@@ -362,6 +366,17 @@ def _against_dense(area: str) -> Callable[[list[dict]], dict[str, list]]:
                         DENSE if dense else None,
                         dense and dense["ms"],
                         throughput=_tflops(native["tflops"]),
+                    )
+                )
+            for native in (r for r in kernels if r["shape"] == native_shape):
+                reads = {"keys": "K/V rows", "pairs": "Q/dO rows"}.get(native.get("reads"))
+                speed = reads and f"{native['tb_per_s']:.2f} TB/s of {reads}"
+                out.append(
+                    row(
+                        f"csa gather kernel: {native['kernel']}",
+                        shape,
+                        native["ms"],
+                        throughput=speed and f"{speed} ({native['read_gb']:.0f} GB)",
                     )
                 )
         return {area: out}

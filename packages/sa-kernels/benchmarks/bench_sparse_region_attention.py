@@ -24,11 +24,15 @@ dense). Each row's extra fields give the selection's occupancy (selected pairs /
 128×128 tiles they touch), its mean visible keys per (group, query) and the mask build time.
 `--sweep-gather` times the gather kernels' launch candidates (`SWEEP_FORWARD_CONFIGS`,
 `SWEEP_BACKWARD_CONFIGS`) on the csa selection, forward and backward apart, each checked against
-the default launch first.
+the default launch first. `--breakdown` profiles the gather kernels' default launches on the csa
+selection of the first length (rows `breakdown`): each kernel's ms and the bytes of gathered rows
+it reads (K and V rows of the visible keys for the forward and the dQ kernel; Q and dO rows of every
+(query, selected region) pair for the key-major dK/dV), as TB/s: at these geometries the kernels
+are bound by how fast the L2 cache serves those rows.
 
     python packages/sa-kernels/benchmarks/bench_sparse_region_attention.py [--quick]
         [--lengths N ...] [--kinds csa|short-docs ...] [--backends gather|flex|auto ...]
-        [--sweep-gather [fwd|bwd|both]] [--json PATH]
+        [--sweep-gather [fwd|bwd|both]] [--breakdown] [--json PATH]
 """
 
 import argparse
@@ -84,7 +88,7 @@ def _attend(q, k, v, *, ids, sources, backend, block_mask):
     return sparse_region_attention(q, k, v, ids, sources, backend=backend, block_mask=block_mask)
 
 
-def run_length(table, length, gen, kinds, backends, sweep_gather):
+def run_length(table, length, gen, kinds, backends, sweep_gather, breakdown=False):
     shape = f"S{length}-H{HEADS}/{GROUPS}-D{HEAD_DIM}-R{REGION_SIZE}-k{TOPK}"
     make = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)
     q = make(1, length, HEADS, HEAD_DIM)
@@ -121,6 +125,8 @@ def run_length(table, length, gen, kinds, backends, sweep_gather):
             )
         if sweep_gather and kind == "csa":
             _sweep_gather(table, shape, mask, sources, (q, k, v), grad, pairs, sweep_gather)
+        if breakdown and kind == "csa":
+            _breakdown(table, shape, mask, sources, (q, k, v), grad, pairs)
         del ids, sources, mask
         torch.cuda.empty_cache()
 
@@ -151,6 +157,78 @@ def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"
     common.sweep_launches(table, shape, which, directions, pairs * (HEADS // GROUPS), HEAD_DIM)
 
 
+# Gathered rows each kernel reads: "keys" (K and V rows per visible key) or "pairs" (Q and dO rows
+# of the group's heads per (query, selected region) pair).
+_KERNEL_READS = {
+    "_region_fwd_kernel": ("forward", "keys"),
+    "_region_bwd_kernel": ("backward, dQ", "keys"),
+    "_region_dkdv_kernel": ("backward, key-major dK/dV", "pairs"),
+    "_invert_routes_kernel": ("backward, inverse routes", None),
+}
+
+
+def _kernel_times(fn, iters=5):
+    """{kernel name: mean device ms per call} of `fn` under torch.profiler (after two warm-ups)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total:
+            times[event.key] = times.get(event.key, 0.0) + total / 1e3 / iters
+    return times
+
+
+def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
+    """Rows `breakdown`: each gather kernel's device ms (default launches) and the TB/s of the
+    gathered rows it reads; other kernels (fills, casts, the cumsum) summed as "other"."""
+    q, k, v = (t.detach() for t in inputs)
+    scale = HEAD_DIM**-0.5
+    routes, counts = mask.routes, mask.counts
+    out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
+    selections = int(counts.sum())
+    row_bytes = HEAD_DIM * q.element_size()
+    read = {"keys": pairs * 2 * row_bytes, "pairs": selections * (HEADS // GROUPS) * 2 * row_bytes}
+    stages = {
+        "forward": lambda: region_attention_forward(q, k, v, routes, counts, sources, 0, scale),
+        "backward": lambda: region_attention_backward(
+            q, k, v, out, grad, lse, routes, counts, sources, 0, scale
+        ),
+    }
+    for stage, fn in stages.items():
+        other = 0.0
+        for kernel, ms in _kernel_times(fn).items():
+            known = next((k for k in _KERNEL_READS if k in kernel), None)
+            if known is None:
+                other += ms
+                continue
+            label, reads = _KERNEL_READS[known]
+            row = {"name": "breakdown", "shape": shape, "kernel": label, "ms": round(ms, 3)}
+            if reads:
+                row["reads"] = reads
+                row["read_gb"] = round(read[reads] / 1e9, 1)
+                row["tb_per_s"] = round(read[reads] / ms / 1e9, 2)
+            table.rows.append(row)
+            print(f"breakdown {stage:<8} {label:<28} {ms:8.3f} ms {row.get('tb_per_s', '')} TB/s")
+        table.rows.append(
+            {
+                "name": "breakdown",
+                "shape": shape,
+                "kernel": f"{stage}, other",
+                "ms": round(other, 3),
+            }
+        )
+        print(f"breakdown {stage:<8} {'other':<28} {other:8.3f} ms")
+    table.dump()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8192 keys only")
@@ -160,14 +238,18 @@ def main(argv=None):
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     common.add_sweep_gather_argument(parser)
+    parser.add_argument(
+        "--breakdown", action="store_true", help="profile the gather kernels at the first length"
+    )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)
     common.require_cuda("bench_sparse_region_attention")
     lengths = args.lengths or ([8192] if args.quick else [32768, 65536])
     table = common.Table(args.json, shape_width=24)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for length in lengths:
-        run_length(table, length, gen, args.kinds, args.backends, args.sweep_gather)
+    for i, length in enumerate(lengths):
+        breakdown = args.breakdown and i == 0
+        run_length(table, length, gen, args.kinds, args.backends, args.sweep_gather, breakdown)
     return table.rows
 
 
