@@ -1,7 +1,7 @@
 """Indexer distillation losses (QSA and Step-5 CSA) against the main attention they distil, same run.
 
     python packages/sa-routing/benchmarks/bench_indexer_distillation.py [--quick] [--cpu-smoke]
-        [--lengths N ...] [--json PATH]
+        [--lengths N ...] [--profile] [--json PATH]
 
 Geometries (batch 1, BF16 main Q/K/V, FP32 indexer tensors with gradients, random values):
     qsa   24 query heads / 2 KV heads of 256 (sa_layers.QSAConfig), indexer 4 heads × 128, budget
@@ -28,7 +28,8 @@ routes, metadata), and also without the FP32 gradients of the indexer tensors (w
 return). Times: median of `--reps` calls after one warm-up call, CUDA events around each call.
 Prints one JSON row per measurement; `--json PATH` writes the rows (record schema of
 tools/bench_records.py: what, shape, time_ms, baseline, baseline_ms, ratio, throughput, goal, status),
-rewritten after every row. `--cpu-smoke` runs tiny shapes on the CPU (PyTorch paths, host timer) to
+rewritten after every row. `--profile` (CUDA) also prints the device ms of the kernels of each
+step with the attention's LSE given, the heaviest first. `--cpu-smoke` runs tiny shapes on the CPU (PyTorch paths, host timer) to
 check the script end to end.
 """
 
@@ -208,7 +209,29 @@ def inputs(name: str, length: int, device: torch.device, smoke: bool):
     )
 
 
-def rows_for(name: str, length: int, device: torch.device, smoke: bool, reps: int) -> list[dict]:
+def print_profile(label: str, fn: Callable[[], object], top: int = 10) -> None:
+    """Prints the `top` kernels of `fn` by device ms per call (torch.profiler, 3 calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total:
+            times[event.key] = times.get(event.key, 0.0) + total / 3e3
+    print(f"# profile {label}: {sum(times.values()):.1f} ms of kernels per call")
+    for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"#   {ms:9.3f} ms  {kernel[:100]}")
+
+
+def rows_for(
+    name: str, length: int, device: torch.device, smoke: bool, reps: int, profile: bool = False
+) -> list[dict]:
     case = inputs(name, length, device, smoke)
     q, k, v, scale, grads = case["q"], case["k"], case["v"], case["scale"], case["grads"]
     gradient_gib = sum(4 * t.numel() for t in grads) / GIB
@@ -235,6 +258,8 @@ def rows_for(name: str, length: int, device: torch.device, smoke: bool, reps: in
     measured.append(("sparse", None, sparse, t_sparse_attention, SPARSE_GOAL))
     measured.append(("sparse", sparse_lse, sparse, t_sparse_attention, SPARSE_GOAL))
     for mode, given, baseline, t_base, goal in measured:
+        if profile and given is not None:
+            print_profile(f"{name} {length} {mode}, attention LSE given", step(mode, given))
         t_loss = times_ms(step(mode, given), reps, device)
         peak = peak_extra_gib(step(mode, given), device)
         budget = t_base * goal
@@ -281,6 +306,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+")
     parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="kernel times (CUDA)")
     parser.add_argument("--json")
     args = parser.parse_args()
     smoke = args.cpu_smoke or not torch.cuda.is_available()
@@ -294,7 +320,9 @@ def main() -> None:
     rows: list[dict] = []
     for length in lengths:
         for name in args.geometries:
-            rows += rows_for(name, length, device, smoke, 2 if smoke else args.reps)
+            rows += rows_for(
+                name, length, device, smoke, 2 if smoke else args.reps, args.profile and not smoke
+            )
             if args.json:  # after every case: a later failure keeps what was measured
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1, ensure_ascii=False)
