@@ -29,7 +29,9 @@ import triton.language as tl
 from sa_kernels.triton_dot import fp32_dot
 
 _BLOCK_K = 32  # slots per step of the dot form
-_PRODUCT_ELEMENTS = 8192  # elements of one step's [heads, slots, index_dim] product (broadcast form)
+_PRODUCT_ELEMENTS = (
+    8192  # elements of one step's [heads, slots, index_dim] product (broadcast form)
+)
 
 
 @triton.jit
