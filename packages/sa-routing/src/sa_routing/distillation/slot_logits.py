@@ -29,9 +29,10 @@ import triton.language as tl
 from sa_kernels.triton_dot import fp32_dot
 
 _BLOCK_K = 32  # slots per step of the dot form
-_PRODUCT_ELEMENTS = (
-    8192  # elements of one step's [heads, slots, index_dim] product (broadcast form)
-)
+# elements of one step's [heads, slots, index_dim] product (broadcast form)
+_PRODUCT_ELEMENTS = 8192
+# warps per program; the grads hold q, keys and both gradients' FP32 tiles
+_WARPS = {"logits": 4, "grads": 8}
 
 
 @triton.jit
@@ -227,7 +228,10 @@ def slot_logits(
         index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count
     )
     out = torch.empty(slot_units.shape, dtype=torch.float32, device=slot_units.device)
-    _slot_logits_kernel[grid](*pointers, out, *args, out.stride(0), out.stride(1), *tail, **meta)
+    _slot_logits_kernel[grid](
+        *pointers, out, *args, out.stride(0), out.stride(1), *tail, **meta,
+        num_warps=_WARPS["logits"],
+    )  # fmt: skip
     return out
 
 
@@ -261,5 +265,5 @@ def slot_grads(
         d_logits.stride(0), d_logits.stride(1), *dq.stride(), *dw.stride(), *dk.stride(),
         *tail,
         WANT_Q=d_queries is not None, WANT_W=d_weights is not None, WANT_K=d_keys is not None,
-        **meta, num_warps=8,  # q, keys and both gradients' FP32 tiles in registers
+        **meta, num_warps=_WARPS["grads"],
     )  # fmt: skip
