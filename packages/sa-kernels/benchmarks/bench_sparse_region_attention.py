@@ -217,15 +217,12 @@ def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
                 row["tb_per_s"] = round(read[reads] / ms / 1e9, 2)
             table.rows.append(row)
             print(f"breakdown {stage:<8} {label:<28} {ms:8.3f} ms {row.get('tb_per_s', '')} TB/s")
-        table.rows.append(
-            {
-                "name": "breakdown",
-                "shape": shape,
-                "kernel": f"{stage}, other",
-                "ms": round(other, 3),
-            }
-        )
-        print(f"breakdown {stage:<8} {'other':<28} {other:8.3f} ms")
+        if other > 0:
+            label = f"{stage}, other"
+            table.rows.append(
+                {"name": "breakdown", "shape": shape, "kernel": label, "ms": round(other, 3)}
+            )
+            print(f"breakdown {stage:<8} {'other':<28} {other:8.3f} ms")
     table.dump()
 
 
