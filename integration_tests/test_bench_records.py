@@ -140,7 +140,27 @@ NATIVE = {
             "read_gb": 100.0,
             "tb_per_s": 5.0,
         },
-        {"name": "breakdown", "shape": "S32768-H64/4-D192-R8-k512", "kernel": "other", "ms": 1.0},
+        {
+            "name": "breakdown",
+            "shape": "S32768-H64/4-D192-R8-k512",
+            "kernel": "backward, key-major dK/dV",
+            "ms": 40.0,
+            "reads": "selections",
+            "read_gb": 200.0,
+            "tb_per_s": 5.0,
+        },
+        {
+            "name": "breakdown",
+            "shape": "S32768-H64/4-D192-R8-k512",
+            "kernel": "forward, other",
+            "ms": 0.0,
+        },
+        {
+            "name": "breakdown",
+            "shape": "S32768-H64/4-D192-R8-k512",
+            "kernel": "backward, other",
+            "ms": 1.0,
+        },
     ],
     "scatter_add": [
         {
@@ -341,11 +361,13 @@ def test_region_attention_rows_are_judged_against_dense_of_their_shape():
         "csa selection, gather (auto's choice), fwd+bwd",
         "short-docs selection, auto (chose flex), fwd+bwd",
         "csa gather kernel: forward",
-        "csa gather kernel: other",
-    ]
+        "csa gather kernel: backward, key-major dK/dV",
+        "csa gather kernel: backward, other",
+    ]  # the zero-time "forward, other" left out
     assert rows[1]["ratio"] == 1.5 and rows[2]["ratio"] == 2.0
     assert rows[3]["throughput"] == "5.00 TB/s of K/V rows (100 GB)" and rows[3]["baseline"] is None
-    assert "throughput" not in rows[4]
+    assert rows[4]["throughput"] == "5.00 TB/s of Q/dO rows (200 GB)"
+    assert "throughput" not in rows[5]
 
 
 @pytest.mark.parametrize("gpu", ["NVIDIA H200", None], ids=["gpu-run", "gpu-less-run"])

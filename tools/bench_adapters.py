@@ -369,7 +369,7 @@ def _against_dense(area: str) -> Callable[[list[dict]], dict[str, list]]:
                     )
                 )
             for native in (r for r in kernels if r["shape"] == native_shape and r["ms"] > 0):
-                reads = {"keys": "K/V rows", "pairs": "Q/dO rows"}.get(native.get("reads"))
+                reads = {"keys": "K/V rows", "selections": "Q/dO rows"}.get(native.get("reads"))
                 speed = reads and f"{native['tb_per_s']:.2f} TB/s of {reads}"
                 out.append(
                     row(

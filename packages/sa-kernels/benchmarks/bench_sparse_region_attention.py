@@ -27,7 +27,7 @@ dense). Each row's extra fields give the selection's occupancy (selected pairs /
 the default launch first. `--breakdown` profiles the gather kernels' default launches on the csa
 selection of the first length (rows `breakdown`): each kernel's ms and the bytes of gathered rows
 it reads (K and V rows of the visible keys for the forward and the dQ kernel; Q and dO rows of every
-(query, selected region) pair for the key-major dK/dV), as TB/s: at these geometries the kernels
+(group, query, selected region) selection for the key-major dK/dV), as TB/s: at these geometries the kernels
 are bound by how fast the L2 cache serves those rows.
 
     python packages/sa-kernels/benchmarks/bench_sparse_region_attention.py [--quick]
@@ -157,12 +157,12 @@ def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"
     common.sweep_launches(table, shape, which, directions, pairs * (HEADS // GROUPS), HEAD_DIM)
 
 
-# Gathered rows each kernel reads: "keys" (K and V rows per visible key) or "pairs" (Q and dO rows
-# of the group's heads per (query, selected region) pair).
+# Gathered rows each kernel reads: "keys" (K and V rows per visible key) or "selections" (Q and dO
+# rows of the group's heads per (group, query, selected region) selection).
 _KERNEL_READS = {
     "_region_fwd_kernel": ("forward", "keys"),
     "_region_bwd_kernel": ("backward, dQ", "keys"),
-    "_region_dkdv_kernel": ("backward, key-major dK/dV", "pairs"),
+    "_region_dkdv_kernel": ("backward, key-major dK/dV", "selections"),
     "_invert_routes_kernel": ("backward, inverse routes", None),
 }
 
@@ -180,7 +180,7 @@ def _kernel_times(fn, iters=5):
         torch.cuda.synchronize()
     times = {}
     for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        total = event.self_device_time_total
         if total:
             times[event.key] = times.get(event.key, 0.0) + total / 1e3 / iters
     return times
@@ -195,7 +195,10 @@ def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
     out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
     selections = int(counts.sum())
     row_bytes = HEAD_DIM * q.element_size()
-    read = {"keys": pairs * 2 * row_bytes, "pairs": selections * (HEADS // GROUPS) * 2 * row_bytes}
+    read = {
+        "keys": pairs * 2 * row_bytes,
+        "selections": selections * (HEADS // GROUPS) * 2 * row_bytes,
+    }
     stages = {
         "forward": lambda: region_attention_forward(q, k, v, routes, counts, sources, 0, scale),
         "backward": lambda: region_attention_backward(
@@ -205,7 +208,7 @@ def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
     for stage, fn in stages.items():
         other = 0.0
         for kernel, ms in _kernel_times(fn).items():
-            known = next((k for k in _KERNEL_READS if k in kernel), None)
+            known = next((name for name in _KERNEL_READS if name in kernel), None)
             if known is None:
                 other += ms
                 continue
@@ -236,7 +239,9 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     common.add_sweep_gather_argument(parser)
     parser.add_argument(
-        "--breakdown", action="store_true", help="profile the gather kernels at the first length"
+        "--breakdown",
+        action="store_true",
+        help="profile the gather kernels on the csa selection of the first length",
     )
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args(argv)

@@ -29,8 +29,8 @@ return). Times: median of `--reps` calls after one warm-up call, CUDA events aro
 Prints one JSON row per measurement; `--json PATH` writes the rows (record schema of
 tools/bench_records.py: what, shape, time_ms, baseline, baseline_ms, ratio, throughput, goal, status),
 rewritten after every row. `--profile` (CUDA) also prints the device ms of the kernels of each
-step with the attention's LSE given, the heaviest first. `--cpu-smoke` runs tiny shapes on the CPU (PyTorch paths, host timer) to
-check the script end to end.
+step with the attention's LSE given, the heaviest first. `--cpu-smoke` runs tiny shapes on the CPU
+(PyTorch paths, host timer) to check the script end to end.
 """
 
 from __future__ import annotations
@@ -209,21 +209,21 @@ def inputs(name: str, length: int, device: torch.device, smoke: bool):
     )
 
 
-def print_profile(label: str, fn: Callable[[], object], top: int = 10) -> None:
-    """Prints the `top` kernels of `fn` by device ms per call (torch.profiler, 3 calls)."""
+def print_profile(label: str, fn: Callable[[], object], top: int = 10, iters: int = 3) -> None:
+    """Prints the `top` kernels of `fn` by device ms per call (torch.profiler, `iters` calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(iters):
             fn()
         torch.cuda.synchronize()
     times: dict[str, float] = {}
     for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if total:
-            times[event.key] = times.get(event.key, 0.0) + total / 3e3
+        if event.self_device_time_total:
+            total = event.self_device_time_total / 1e3 / iters
+            times[event.key] = times.get(event.key, 0.0) + total
     print(f"# profile {label}: {sum(times.values()):.1f} ms of kernels per call")
     for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
         print(f"#   {ms:9.3f} ms  {kernel[:100]}")

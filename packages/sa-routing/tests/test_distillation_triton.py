@@ -29,16 +29,20 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # -- kernels against explicit sums ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("heads", [3, 17], ids=["broadcast-products", "dots"])
+@pytest.mark.parametrize(
+    ("heads", "dim"),
+    [(3, 20), (4, 130), (17, 20)],
+    ids=["broadcast-products", "broadcast-products-8-slots-a-step", "dots"],
+)
 @pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
-def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, heads) -> None:
+def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, heads, dim) -> None:
     """Invalid slots, an id past the unit count (read as the last unit), strided index queries,
     index heads and dims that are not powers of two, more slots than one step; few index heads take
     the broadcast products, many the dots."""
     from sa_routing.distillation.slot_logits import slot_grads, slot_logits
 
     gen = seeded(11)
-    rows, groups, dim, units, slots = 5, 3, 20, 9, 37
+    rows, groups, units, slots = 5, 3, 9, 37
     queries = torch.randn(rows, heads, groups, dim, generator=gen).transpose(1, 2)
     queries.requires_grad_()
     weights = torch.rand(rows, groups, heads, generator=gen).requires_grad_() if weighted else None
