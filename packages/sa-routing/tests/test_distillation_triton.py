@@ -29,51 +29,68 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # -- kernels against explicit sums ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("heads", "dim"),
-    [(3, 20), (4, 130), (17, 20)],
-    ids=["broadcast-products", "broadcast-products-8-slots-a-step", "dots"],
-)
-@pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
-def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, heads, dim) -> None:
-    """Invalid slots, an id past the unit count (read as the last unit), strided index queries,
-    index heads and dims that are not powers of two, more slots than one step; few index heads take
-    the broadcast products, many the dots."""
+def _check_slot_kernels(
+    weighted: bool, heads: int, dim: int, device: str, tolerance: float
+) -> None:
+    """The slot kernels on `device` against autograd of the explicit float64 sum."""
     from sa_routing.distillation.slot_logits import slot_grads, slot_logits
 
     gen = seeded(11)
     rows, groups, units, slots = 5, 3, 9, 37
-    queries = torch.randn(rows, heads, groups, dim, generator=gen).transpose(1, 2)
-    queries.requires_grad_()
-    weights = torch.rand(rows, groups, heads, generator=gen).requires_grad_() if weighted else None
-    keys = torch.randn(units + 2, dim, generator=gen).requires_grad_()  # U' > U rows
+    queries = torch.randn(rows, heads, groups, dim, generator=gen, dtype=torch.float64)
+    queries = queries.transpose(1, 2).requires_grad_()
+    weights = None
+    if weighted:
+        weights = torch.rand(rows, groups, heads, generator=gen, dtype=torch.float64)
+        weights.requires_grad_()
+    keys = torch.randn(units + 2, dim, generator=gen, dtype=torch.float64)  # U' > U rows
+    keys.requires_grad_()
     ids = torch.randint(0, units + 3, (groups, rows, slots), generator=gen, dtype=torch.int32)
     valid = torch.rand(groups, rows, slots, generator=gen) < 0.7
     valid[0, 1] = False  # a row without a valid slot
     scale = 0.3
     # validity with other strides than the ids (copied to one layout)
     strided = valid if weighted else valid.transpose(0, 1).contiguous().transpose(0, 1)
-    logits = slot_logits(queries.detach(), weights, scale, keys.detach(), ids, strided, count=units)
+    on = lambda t: None if t is None else t.detach().to(device, torch.float32)
+    kernel_args = (on(queries), on(weights), scale, on(keys), ids.to(device), strided.to(device))
+    logits = slot_logits(*kernel_args, count=units)
     picked = keys[ids.long().clamp_max(units - 1)]  # [G, rows, K, Di]
     dots = queries.transpose(0, 1) @ picked.transpose(-1, -2)  # [G, rows, Hi, K]
     coefficient = scale if weights is None else weights.transpose(0, 1)[..., None]
     want = torch.where(valid, (torch.relu(dots) * coefficient).sum(dim=2), 0.0)
-    torch.testing.assert_close(logits, want.detach(), rtol=1e-5, atol=1e-5)
-    d_logits = torch.randn(valid.shape, generator=gen) * valid
+    close = dict(rtol=tolerance, atol=tolerance, check_device=False, check_dtype=False)
+    torch.testing.assert_close(logits, want.detach(), **close)
+    d_logits = torch.randn(valid.shape, generator=gen, dtype=torch.float64) * valid
     inputs = (queries, keys) + ((weights,) if weighted else ())
     expected = torch.autograd.grad(want, inputs, d_logits)
-    d_queries = torch.full((rows, groups, heads, dim), float("nan"))  # overwritten
-    d_weights = torch.full((rows, groups, heads), float("nan")) if weighted else None
-    d_keys = torch.ones(units + 2, dim)  # added to
+    d_queries = torch.full((rows, groups, heads, dim), float("nan"), device=device)  # overwritten
+    d_weights = torch.full((rows, groups, heads), float("nan"), device=device) if weighted else None
+    d_keys = torch.ones(units + 2, dim, device=device)  # added to
     slot_grads(
-        queries.detach(), weights, scale, keys.detach(), ids, strided, d_logits,
-        d_queries, d_weights, d_keys, count=units,
+        *kernel_args, on(d_logits), d_queries, d_weights, d_keys, count=units,
     )  # fmt: skip
-    torch.testing.assert_close(d_queries, expected[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(d_keys - 1, expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_queries, expected[0], **close)
+    torch.testing.assert_close(d_keys - 1, expected[1], **close)
     if weighted:
-        torch.testing.assert_close(d_weights, expected[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d_weights, expected[2], **close)
     assert expected[1][units:].abs().max() == 0 and expected[1][units - 1].abs().max() > 0
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(3, 20), (17, 130)])
+@pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
+def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, heads, dim) -> None:
+    """Invalid slots, an id past the unit count (read as the last unit), strided index queries,
+    index heads and dims that are not powers of two (more heads than one dot's 16 rows), more slots
+    than one step."""
+    _check_slot_kernels(weighted, heads, dim, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("heads", "dim"), [(4, 256), (17, 130)])
+def test_cuda_slot_logits_and_grads_are_fp32_accurate(heads, dim) -> None:
+    """The TF32×3 dots on the tensor cores stay within FP32-level error of the float64 sums."""
+    _check_slot_kernels(True, heads, dim, "cuda", 1e-4)
 
 
 def _documents(lengths: list[int], total: int) -> torch.Tensor:
