@@ -76,20 +76,24 @@ def _check_slot_kernels(
     assert expected[1][units:].abs().max() == 0 and expected[1][units - 1].abs().max() > 0
 
 
-@pytest.mark.parametrize(("heads", "dim"), [(3, 20), (17, 130)])
+@pytest.mark.parametrize(
+    ("heads", "dim"),
+    [(3, 20), (4, 130), (17, 20)],
+    ids=["broadcast-products", "broadcast-products-8-slots-a-step", "dots"],
+)
 @pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
 def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, heads, dim) -> None:
     """Invalid slots, an id past the unit count (read as the last unit), strided index queries,
-    index heads and dims that are not powers of two (more heads than one dot's 16 rows), more slots
-    than one step."""
+    index heads and dims that are not powers of two, more slots than one step; few index heads take
+    the broadcast products, many the dots."""
     _check_slot_kernels(weighted, heads, dim, "cpu", 1e-5)
 
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize(("heads", "dim"), [(4, 256), (17, 130)])
+@pytest.mark.parametrize(("heads", "dim"), [(4, 256), (17, 130)], ids=["broadcast", "dots"])
 def test_cuda_slot_logits_and_grads_are_fp32_accurate(heads, dim) -> None:
-    """The TF32×3 dots on the tensor cores stay within FP32-level error of the float64 sums."""
+    """Both forms on the GPU stay within FP32-level error of the float64 sums."""
     _check_slot_kernels(True, heads, dim, "cuda", 1e-4)
 
 

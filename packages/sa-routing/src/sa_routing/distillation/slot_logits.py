@@ -14,10 +14,10 @@ resident in L2) and keeps the index queries in registers:
   one program) and the unit keys' gradient, FP32 atomic adds per slot (the summation order of a
   unit's slots varies between runs).
 
-Products are FP32-accurate: tensor-core dots of FP32 operands at TF32×3 precision (`_tf32x3_dot`:
-each operand split into a TF32 part and a TF32 remainder, three products, FP32 accumulation; relative
-error near FP32 rounding, where the PyTorch path runs FP32 matmuls). Index heads pad to 16 rows, the
-dots' least M.
+Products are exact FP32, as the PyTorch path's FP32 matmuls. With few index heads (at most 8; the
+QSA and Step-5 indexers have 4) they are broadcast products summed in registers (`DOT` off), since a
+dot would pad the heads to its least M of 16 rows and run IEEE FP32 dots on the FMA units anyway;
+with more heads they are `fp32_dot`s with IEEE FP32 operands.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_K = 32  # slots per step
-# warps per program; the grads hold q, keys and both gradients' FP32 tiles in registers
-_WARPS = {"logits": 4, "grads": 8}
+from sa_kernels.triton_dot import fp32_dot
 
-
-@triton.jit
-def _tf32x3_dot(a, b):
-    """FP32 a @ b from three TF32 tensor-core products."""
-    return tl.dot(a, b, input_precision="tf32x3")
+_BLOCK_K = 32  # slots per step of the dot form
+# elements of one step's [heads, slots, index_dim] product (broadcast form)
+_PRODUCT_ELEMENTS = 8192
+# warps per program of each form: the broadcast form's are the fastest on the H200 at the Step-5
+# geometry; the dot form's grads hold q, keys and both gradients' FP32 tiles in registers
+_WARPS = {"logits": 2, "grads": 4}
+_DOT_WARPS = {"logits": 4, "grads": 8}
 
 
 @triton.jit
@@ -46,6 +46,7 @@ def _slot_tile(
     stride_ug, stride_uq, stride_uk,
     slots, count, index_heads, index_dim, scale,
     HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DI: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
     """(q [BLOCK_H, BLOCK_DI], keys [BLOCK_K, BLOCK_DI], dots [BLOCK_H, BLOCK_K], coefficients
     [BLOCK_H], slot validity [BLOCK_K], unit ids [BLOCK_K]) of slots start … start + BLOCK_K − 1."""
@@ -75,7 +76,10 @@ def _slot_tile(
         keys_ptr + unit[:, None] * stride_kn + offs_d[None, :] * stride_kd,
         mask=valid[:, None] & d_ok[None, :], other=0.0,
     ).to(tl.float32)  # fmt: skip
-    dots = _tf32x3_dot(q, tl.trans(keys))
+    if DOT:
+        dots = fp32_dot(q, tl.trans(keys), True, False)
+    else:
+        dots = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)
     return q, keys, dots, coefficient, valid, unit
 
 
@@ -89,6 +93,7 @@ def _slot_logits_kernel(
     stride_og, stride_oq,
     slots, count, index_heads, index_dim, scale,
     HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DI: tl.constexpr,
+    DOT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -98,7 +103,7 @@ def _slot_logits_kernel(
             stride_iqq, stride_iqg, stride_iqh, stride_iqd, stride_iwq, stride_iwg, stride_iwh,
             stride_kn, stride_kd, stride_ug, stride_uq, stride_uk,
             slots, count, index_heads, index_dim, scale,
-            HAS_WEIGHTS, BLOCK_H, BLOCK_K, BLOCK_DI,
+            HAS_WEIGHTS, BLOCK_H, BLOCK_K, BLOCK_DI, DOT,
         )  # fmt: skip
         logits = tl.sum(tl.maximum(dots, 0.0) * coefficient[:, None], axis=0)
         offs_k = start + tl.arange(0, BLOCK_K)
@@ -122,7 +127,7 @@ def _slot_grads_kernel(
     stride_dkn, stride_dkd,
     slots, count, index_heads, index_dim, scale,
     HAS_WEIGHTS: tl.constexpr, WANT_Q: tl.constexpr, WANT_W: tl.constexpr, WANT_K: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DI: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     g = tl.program_id(1)
@@ -138,7 +143,7 @@ def _slot_grads_kernel(
             stride_iqq, stride_iqg, stride_iqh, stride_iqd, stride_iwq, stride_iwg, stride_iwh,
             stride_kn, stride_kd, stride_ug, stride_uq, stride_uk,
             slots, count, index_heads, index_dim, scale,
-            HAS_WEIGHTS, BLOCK_H, BLOCK_K, BLOCK_DI,
+            HAS_WEIGHTS, BLOCK_H, BLOCK_K, BLOCK_DI, DOT,
         )  # fmt: skip
         offs_k = start + tl.arange(0, BLOCK_K)
         d_logits = tl.load(
@@ -148,9 +153,15 @@ def _slot_grads_kernel(
             d_w += tl.sum(tl.maximum(dots, 0.0) * d_logits[None, :], axis=1)
         d_dots = tl.where(dots > 0, d_logits[None, :] * coefficient[:, None], 0.0)
         if WANT_Q:
-            d_q += _tf32x3_dot(d_dots, keys)
+            if DOT:
+                d_q += fp32_dot(d_dots, keys, True, False)
+            else:
+                d_q += tl.sum(d_dots[:, :, None] * keys[None, :, :], axis=1)
         if WANT_K:
-            d_keys = _tf32x3_dot(tl.trans(d_dots), q)  # [BLOCK_K, BLOCK_DI]
+            if DOT:
+                d_keys = fp32_dot(tl.trans(d_dots), q, True, False)  # [BLOCK_K, BLOCK_DI]
+            else:
+                d_keys = tl.sum(d_dots[:, :, None] * q[:, None, :], axis=0)
             tl.atomic_add(
                 dk_ptr + unit[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
                 d_keys,
@@ -183,11 +194,18 @@ def _launch(index_queries, index_weights, unit_keys, slot_units, slot_valid, sca
         slot_units.stride(0), slot_units.stride(1), slot_units.stride(2),
     )  # fmt: skip
     tail = (slots, count, index_heads, index_dim, float(scale))
+    block_h, block_di = triton.next_power_of_2(index_heads), triton.next_power_of_2(index_dim)
+    dot = block_h > 8
+    if dot:  # the dots' least M, N and K
+        block_h, block_di, block_k = max(16, block_h), max(16, block_di), _BLOCK_K
+    else:
+        block_k = min(_BLOCK_K, max(1, _PRODUCT_ELEMENTS // (block_h * block_di)))
     meta = {
         "HAS_WEIGHTS": index_weights is not None,
-        "BLOCK_H": max(16, triton.next_power_of_2(index_heads)),
-        "BLOCK_K": _BLOCK_K,
-        "BLOCK_DI": max(16, triton.next_power_of_2(index_dim)),
+        "BLOCK_H": block_h,
+        "BLOCK_K": block_k,
+        "BLOCK_DI": block_di,
+        "DOT": dot,
     }
     pointers = (index_queries, weights, unit_keys, slot_units, slot_valid.view(torch.uint8))
     return (rows, groups), pointers, args, tail, meta
@@ -214,7 +232,7 @@ def slot_logits(
     out = torch.empty(slot_units.shape, dtype=torch.float32, device=slot_units.device)
     _slot_logits_kernel[grid](
         *pointers, out, *args, out.stride(0), out.stride(1), *tail, **meta,
-        num_warps=_WARPS["logits"],
+        num_warps=(_DOT_WARPS if meta["DOT"] else _WARPS)["logits"],
     )  # fmt: skip
     return out
 
@@ -249,5 +267,5 @@ def slot_grads(
         d_logits.stride(0), d_logits.stride(1), *dq.stride(), *dw.stride(), *dk.stride(),
         *tail,
         WANT_Q=d_queries is not None, WANT_W=d_weights is not None, WANT_K=d_keys is not None,
-        **meta, num_warps=_WARPS["grads"],
+        **meta, num_warps=(_DOT_WARPS if meta["DOT"] else _WARPS)["grads"],
     )  # fmt: skip
