@@ -56,6 +56,7 @@ from sa_kernels.sparse_region_attention.triton_kernels import (
     region_attention_forward,
 )
 from sa_kernels.synthetic import csa_selection, region_layout
+from sa_kernels.testing import kernel_device_ms
 
 KINDS = ("csa", "short-docs")
 HEADS, GROUPS, HEAD_DIM, REGION_SIZE, TOPK = 64, 4, 192, 8, 512
@@ -167,25 +168,6 @@ _KERNEL_READS = {
 }
 
 
-def _kernel_times(fn, iters=5):
-    """{kernel name: mean device ms per call} of `fn` under torch.profiler (after two warm-ups)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        total = event.self_device_time_total
-        if total:
-            times[event.key] = times.get(event.key, 0.0) + total / 1e3 / iters
-    return times
-
-
 def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
     """Rows `breakdown`: each gather kernel's device ms (default launches) and the TB/s of the
     gathered rows it reads; other kernels (fills, casts, the cumsum) summed as "other"."""
@@ -207,7 +189,7 @@ def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
     }
     for stage, fn in stages.items():
         other = 0.0
-        for kernel, ms in _kernel_times(fn).items():
+        for kernel, ms in kernel_device_ms(fn, iters=5).items():
             known = next((name for name in _KERNEL_READS if name in kernel), None)
             if known is None:
                 other += ms

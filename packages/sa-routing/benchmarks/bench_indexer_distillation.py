@@ -45,6 +45,7 @@ import torch
 
 from sa_kernels import build_route_block_mask, sparse_gqa_attention, sparse_region_attention
 from sa_kernels.sparse_region_attention.block_mask import build_region_block_mask
+from sa_kernels.testing import kernel_device_ms
 from sa_routing import (
     csa_indexer_distillation_loss,
     qsa_indexer_distillation_loss,
@@ -209,21 +210,9 @@ def inputs(name: str, length: int, device: torch.device, smoke: bool):
     )
 
 
-def print_profile(label: str, fn: Callable[[], object], top: int = 10, iters: int = 3) -> None:
-    """Prints the `top` kernels of `fn` by device ms per call (torch.profiler, `iters` calls)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.self_device_time_total:
-            total = event.self_device_time_total / 1e3 / iters
-            times[event.key] = times.get(event.key, 0.0) + total
+def print_profile(label: str, fn: Callable[[], object], top: int = 10) -> None:
+    """Prints the `top` kernels of `fn` by device ms per call (torch.profiler, 3 calls)."""
+    times = kernel_device_ms(fn, iters=3)
     print(f"# profile {label}: {sum(times.values()):.1f} ms of kernels per call")
     for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
         print(f"#   {ms:9.3f} ms  {kernel[:100]}")
