@@ -26,9 +26,9 @@ dense). Each row's extra fields give the selection's occupancy (selected pairs /
 `SWEEP_BACKWARD_CONFIGS`) on the csa selection, forward and backward apart, each checked against
 the default launch first. `--breakdown` profiles the gather kernels' default launches on the csa
 selection of the first length (rows `breakdown`): each kernel's ms and the bytes of gathered rows
-it reads (K and V rows of the visible keys for the forward and the dQ kernel; Q and dO rows of every
-(group, query, selected region) selection for the key-major dK/dV), as TB/s: at these geometries the kernels
-are bound by how fast the L2 cache serves those rows.
+it reads (K and V rows of the visible keys for the forward and the dQ kernel; Q and dO rows of
+every (group, query, selected region) selection for the key-major dK/dV), as TB/s: at these
+geometries the kernels are bound by how fast the L2 cache serves those rows.
 
     python packages/sa-kernels/benchmarks/bench_sparse_region_attention.py [--quick]
         [--lengths N ...] [--kinds csa|short-docs ...] [--backends gather|flex|auto ...]

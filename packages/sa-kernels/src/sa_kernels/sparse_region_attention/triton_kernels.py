@@ -285,6 +285,15 @@ SWEEP_BACKWARD_CONFIGS = [
 ]  # fmt: skip
 
 
+# backward config keys of the key-major launch: region_dkdv_key_major's arguments
+_KEY_MAJOR_OPTIONS = {
+    "QUERY_CHUNK": "chunk",
+    "KEY_MAJOR_ROWS": "rows",
+    "KEY_MAJOR_WARPS": "num_warps",
+    "KEY_MAJOR_STAGES": "num_stages",
+}
+
+
 def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> tuple[int, int, int, int]:
     """BLOCK_G, BLOCK_D, BLOCK_RS (key rows of one virtual slot) and CHUNKS (virtual slots per region)."""
     block_rs = min(triton.next_power_of_2(region_size), block_w)
@@ -408,11 +417,10 @@ def region_attention_backward(
         **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    if key_major:
+    if key_major:  # its launch options where the config names them, else its defaults
+        options = {arg: config[name] for name, arg in _KEY_MAJOR_OPTIONS.items() if name in config}
         dk, dv = region_dkdv_key_major(
             query, key, value, grad_out, lse, delta, routes, counts, region_sources, query_start,
-            scale, dot_flags(query), chunk=config.get("QUERY_CHUNK"),
-            rows=config.get("KEY_MAJOR_ROWS", 64),
-            num_warps=config.get("KEY_MAJOR_WARPS", 4), num_stages=config.get("KEY_MAJOR_STAGES", 2),
+            scale, dot_flags(query), **options,
         )  # fmt: skip
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

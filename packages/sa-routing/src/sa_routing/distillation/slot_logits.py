@@ -28,13 +28,12 @@ import triton.language as tl
 
 from sa_kernels.triton_dot import fp32_dot
 
-_BLOCK_K = 32  # slots per step of the dot form
+_BLOCK_K = 32  # slots per step of the dot form, and the most of the broadcast form
 # elements of one step's [heads, slots, index_dim] product (broadcast form)
 _PRODUCT_ELEMENTS = 8192
-# warps per program of each form: the broadcast form's are the fastest on the H200 at the Step-5
+# warps per program by form (DOT): the broadcast form's are the fastest on the H200 at the Step-5
 # geometry; the dot form's grads hold q, keys and both gradients' FP32 tiles in registers
-_WARPS = {"logits": 2, "grads": 4}
-_DOT_WARPS = {"logits": 4, "grads": 8}
+_WARPS = {False: {"logits": 2, "grads": 4}, True: {"logits": 4, "grads": 8}}
 
 
 @triton.jit
@@ -232,7 +231,7 @@ def slot_logits(
     out = torch.empty(slot_units.shape, dtype=torch.float32, device=slot_units.device)
     _slot_logits_kernel[grid](
         *pointers, out, *args, out.stride(0), out.stride(1), *tail, **meta,
-        num_warps=(_DOT_WARPS if meta["DOT"] else _WARPS)["logits"],
+        num_warps=_WARPS[meta["DOT"]]["logits"],
     )  # fmt: skip
     return out
 
@@ -267,5 +266,5 @@ def slot_grads(
         d_logits.stride(0), d_logits.stride(1), *dq.stride(), *dw.stride(), *dk.stride(),
         *tail,
         WANT_Q=d_queries is not None, WANT_W=d_weights is not None, WANT_K=d_keys is not None,
-        **meta, num_warps=(_DOT_WARPS if meta["DOT"] else _WARPS)["grads"],
+        **meta, num_warps=_WARPS[meta["DOT"]]["grads"],
     )  # fmt: skip
