@@ -97,6 +97,81 @@ def test_cuda_slot_logits_and_grads_are_fp32_accurate(heads, dim) -> None:
     _check_slot_kernels(True, heads, dim, "cuda", 1e-4)
 
 
+def _check_dense_tile_kernels(
+    weighted: bool, heads: int, dim: int, device: str, tolerance: float
+) -> None:
+    """The dense warm-up's tile kernels on `device` against autograd of the explicit float64 KL."""
+    from sa_routing.distillation.dense_logits import dense_tile_loss
+
+    gen = seeded(13 + heads)
+    rows, groups, units, scale = 70, 2, 75, 0.3  # three unit steps
+    chunk = 32  # three chunks of rows in the keys' pass
+    queries = torch.randn(rows, heads, groups, dim, generator=gen, dtype=torch.float64)
+    queries = queries.transpose(1, 2).requires_grad_()  # strided
+    weights = None
+    if weighted:
+        weights = torch.rand(rows, groups, heads, generator=gen, dtype=torch.float64)
+        weights.requires_grad_()
+    keys = torch.randn(units, dim, generator=gen, dtype=torch.float64).requires_grad_()
+    # causal-looking candidate runs, a row without candidates, one whose target has no mass
+    stop = torch.clamp(torch.arange(rows) * units // rows + 3, max=units)
+    start = torch.randint(0, 4, (rows,), generator=gen).minimum(stop)
+    stop[7] = start[7]
+    unit = torch.arange(units)
+    candidates = (unit >= start[:, None]) & (unit < stop[:, None])  # [rows, units]
+    mass = torch.rand(groups, rows, units, generator=gen, dtype=torch.float64) * candidates
+    mass[:, :, ::5] = 0  # zero-mass candidates
+    mass[1, 9] = 0
+    target = mass / mass.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+    row_weight = (torch.rand(groups, rows, generator=gen, dtype=torch.float64) < 0.8) * 0.5
+    row_weight[1, 9] = 0  # the loss weight of a row without mass
+    dots = queries.permute(1, 2, 0, 3) @ keys.t()  # [G, Hi, rows, units]
+    coefficient = scale if weights is None else weights.permute(1, 2, 0)[..., None]
+    logits = (torch.relu(dots) * coefficient).sum(dim=1)  # [G, rows, units]
+    log_p = torch.log_softmax(logits.masked_fill(~candidates, float("-inf")), dim=-1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-300).log() - log_p), 0.0).sum(-1)
+    want = (kl * row_weight).sum()
+    inputs = (queries, keys) + ((weights,) if weighted else ())
+    expected = torch.autograd.grad(want, inputs)
+    on = lambda t: None if t is None else t.detach().to(device, torch.float32)
+    d_queries = torch.full((rows, groups, heads, dim), float("nan"), device=device)  # overwritten
+    d_weights = torch.full((rows, groups, heads), float("nan"), device=device) if weighted else None
+    d_keys = torch.ones(units, dim, device=device)  # added to
+    got = dense_tile_loss(
+        on(queries), on(weights), scale, on(keys), on(target), start.to(device, torch.int32),
+        stop.to(device, torch.int32), on(row_weight), d_queries, d_weights, d_keys, row_chunk=chunk,
+    )  # fmt: skip
+    close = dict(rtol=tolerance, atol=tolerance, check_device=False, check_dtype=False)
+    torch.testing.assert_close(got, want.detach(), **close)
+    torch.testing.assert_close(d_queries, expected[0], **close)
+    torch.testing.assert_close(d_keys - 1, expected[1], **close)
+    if weighted:
+        torch.testing.assert_close(d_weights, expected[2], **close)
+    assert expected[0][7].abs().max() == 0 and expected[0][8:].abs().max() > 0
+    loss_only = dense_tile_loss(
+        on(queries), on(weights), scale, on(keys), on(target), start.to(device, torch.int32),
+        stop.to(device, torch.int32), on(row_weight), None, None, None,
+    )  # fmt: skip
+    torch.testing.assert_close(loss_only, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(3, 20), (4, 16)], ids=["Hi3-Di20", "Hi4-Di16"])
+@pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
+def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(weighted, heads, dim) -> None:
+    """Strided index queries, index heads and dims that are not powers of two, candidate runs that
+    start anywhere, zero-mass candidates, a row without candidates and one without mass, three
+    chunks of rows in the keys' pass; the loss alone equals the loss with gradients."""
+    _check_dense_tile_kernels(weighted, heads, dim, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(("heads", "dim"), [(4, 256), (4, 128)], ids=["csa", "qsa"])
+def test_cuda_dense_tile_loss_and_grads_are_fp32_accurate(heads, dim) -> None:
+    """The TF32×3 dots on the GPU stay within FP32-level error of the float64 KL."""
+    _check_dense_tile_kernels(True, heads, dim, "cuda", 1e-4)
+
+
 def _documents(lengths: list[int], total: int) -> torch.Tensor:
     """int64 [S]: document of every row (documents packed in order, then -1 padding)."""
     docs = torch.full((total,), -1, dtype=torch.int64)

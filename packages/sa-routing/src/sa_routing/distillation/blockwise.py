@@ -289,13 +289,11 @@ def distillation_sum(
     """
     device = index_queries.device
     groups = problem.groups
-    heads = index_queries.shape[3]
     want_q, want_w, want_k = needs_grad
     want_w = want_w and index_weights is not None
     d_queries = torch.zeros_like(index_queries, dtype=torch.float32) if want_q else None
     d_weights = torch.zeros_like(index_weights, dtype=torch.float32) if want_w else None
     d_keys = torch.zeros_like(unit_keys, dtype=torch.float32) if want_k else None
-    backward = want_q or want_w or want_k
     total = torch.zeros((), device=device)
     lse = None
     if problem.backend == "triton" and problem.tiles:
@@ -315,39 +313,106 @@ def distillation_sum(
                 target = _target(problem, tile, candidates)
             else:
                 target = _triton_target(problem, tile, candidates, lse)
-        queries = index_queries[b, q0:q1].float()  # [rows, G, Hi, Di]
-        keys = unit_keys[b, u0:u1].float()  # [units, Di]
-        coefficients = (
-            None if index_weights is None else index_weights[b, q0:q1].float().permute(2, 1, 0)
-        )  # [Hi, G, rows]
-        logits = torch.zeros_like(target)
-        for h in range(heads):
-            c = index_scale if coefficients is None else coefficients[h, :, :, None]
-            logits += torch.relu(_index_dots(queries, keys, h)) * c
-        any_candidate = candidates.any(dim=-1, keepdim=True)
-        logits = torch.where(candidates, logits, torch.where(any_candidate, _NEG_INF, 0.0))
-        log_probabilities = torch.log_softmax(logits, dim=-1)
-        kl = torch.where(
-            target > 0,
-            target
-            * (torch.log(target.clamp_min(torch.finfo(torch.float32).tiny)) - log_probabilities),
-            0.0,
-        ).sum(dim=-1)  # [G, rows]
         # a loss row whose target has no mass on its candidates contributes 0 (and no gradient)
         row_weight = (problem.loss_rows[b, q0:q1] & (target.sum(dim=-1) > 0)) / groups
-        total = total + (kl * row_weight).sum()
-        if not backward:
-            continue
-        d_logits = (torch.exp(log_probabilities) - target) * candidates * row_weight[..., None]
-        for h in range(heads):
-            dots = _index_dots(queries, keys, h)
-            if want_w:
-                d_weights[b, q0:q1, :, h] += (d_logits * torch.relu(dots)).sum(dim=-1).t()
-            c = index_scale if coefficients is None else coefficients[h, :, :, None]
-            d_dots = d_logits * c * (dots > 0)  # [G, rows, units]
-            if want_q:
-                d_queries[b, q0:q1, :, h] += torch.matmul(d_dots, keys).transpose(0, 1)
-            if want_k:
-                flat = d_dots.flatten(0, 1)  # [G * rows, units]
-                d_keys[b, u0:u1] += flat.t() @ queries[:, :, h].transpose(0, 1).flatten(0, 1)
+        grads = (
+            d_queries[b, q0:q1] if want_q else None,
+            d_weights[b, q0:q1] if want_w else None,
+            d_keys[b, u0:u1] if want_k else None,
+        )
+        tile_loss = _triton_tile_loss if problem.backend == "triton" else _torch_tile_loss
+        total = total + tile_loss(
+            problem,
+            tile,
+            index_queries[b, q0:q1],
+            None if index_weights is None else index_weights[b, q0:q1],
+            index_scale,
+            unit_keys[b, u0:u1],
+            target,
+            candidates,
+            row_weight,
+            grads,
+        )
     return total, (d_queries, d_weights, d_keys)
+
+
+def _torch_tile_loss(
+    problem: DistillationProblem,
+    tile: DistillationTile,
+    index_queries: torch.Tensor,
+    index_weights: torch.Tensor | None,
+    index_scale: float,
+    unit_keys: torch.Tensor,
+    target: torch.Tensor,
+    candidates: torch.Tensor,
+    row_weight: torch.Tensor,
+    grads: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:
+    """One tile's weighted KL sum (steps 2 and 3 in PyTorch), its gradients added into `grads`
+    (views of the tile's rows and units). Shapes as `dense_logits.dense_tile_loss`."""
+    d_queries, d_weights, d_keys = grads
+    heads = index_queries.shape[2]
+    queries = index_queries.float()  # [rows, G, Hi, Di]
+    keys = unit_keys.float()  # [units, Di]
+    coefficients = (
+        None if index_weights is None else index_weights.float().permute(2, 1, 0)
+    )  # [Hi, G, rows]
+    logits = torch.zeros_like(target)
+    for h in range(heads):
+        c = index_scale if coefficients is None else coefficients[h, :, :, None]
+        logits += torch.relu(_index_dots(queries, keys, h)) * c
+    any_candidate = candidates.any(dim=-1, keepdim=True)
+    logits = torch.where(candidates, logits, torch.where(any_candidate, _NEG_INF, 0.0))
+    log_probabilities = torch.log_softmax(logits, dim=-1)
+    kl = torch.where(
+        target > 0,
+        target * (torch.log(target.clamp_min(torch.finfo(torch.float32).tiny)) - log_probabilities),
+        0.0,
+    ).sum(dim=-1)  # [G, rows]
+    total = (kl * row_weight).sum()
+    if all(g is None for g in grads):
+        return total
+    d_logits = (torch.exp(log_probabilities) - target) * candidates * row_weight[..., None]
+    for h in range(heads):
+        dots = _index_dots(queries, keys, h)
+        if d_weights is not None:
+            d_weights[:, :, h] += (d_logits * torch.relu(dots)).sum(dim=-1).t()
+        c = index_scale if coefficients is None else coefficients[h, :, :, None]
+        d_dots = d_logits * c * (dots > 0)  # [G, rows, units]
+        if d_queries is not None:
+            d_queries[:, :, h] += torch.matmul(d_dots, keys).transpose(0, 1)
+        if d_keys is not None:
+            flat = d_dots.flatten(0, 1)  # [G * rows, units]
+            d_keys += flat.t() @ queries[:, :, h].transpose(0, 1).flatten(0, 1)
+    return total
+
+
+def _triton_tile_loss(
+    problem: DistillationProblem,
+    tile: DistillationTile,
+    index_queries: torch.Tensor,
+    index_weights: torch.Tensor | None,
+    index_scale: float,
+    unit_keys: torch.Tensor,
+    target: torch.Tensor,
+    candidates: torch.Tensor,
+    row_weight: torch.Tensor,
+    grads: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:
+    """`_torch_tile_loss` from the Triton kernels of `dense_logits`."""
+    from .dense_logits import dense_tile_loss
+
+    b, q0, q1, u0, u1 = (
+        tile.batch,
+        tile.query_start,
+        tile.query_stop,
+        tile.unit_start,
+        tile.unit_stop,
+    )
+    units = u1 - u0
+    start = (problem.candidate_start[b, q0:q1] - u0).clamp(0, units).to(torch.int32)
+    stop = (problem.candidate_stop[b, q0:q1] - u0).clamp(0, units).to(torch.int32)
+    return dense_tile_loss(
+        index_queries, index_weights, index_scale, unit_keys, target, start, stop,
+        row_weight.float(), *grads,
+    )  # fmt: skip
