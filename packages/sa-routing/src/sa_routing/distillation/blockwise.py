@@ -22,8 +22,9 @@ at a time: the exponentials run in place) and
 keys or units exists, in the forward or the backward (the autograd graph keeps only the gradients).
 
 With `backend == "triton"` step 1 runs the kernels of `triton_kernels` instead (`_triton_target`):
-the per-head LSE of every query first (when not given), then each tile's unit mass; steps 2 and 3
-are the same code on both paths.
+the per-head LSE of every query first (when not given), then each tile's unit mass; and steps 2
+and 3 run the kernels of `dense_logits` (`_triton_tile_loss`: the logits, KL and gradients streamed
+over the tile's units, TF32×3 dots) in place of the per-head matmuls of `_torch_tile_loss`.
 """
 
 from __future__ import annotations
