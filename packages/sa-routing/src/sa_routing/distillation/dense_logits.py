@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG_INF = float("-inf")
 _BLOCK_N = 32  # units per step
 _ROW_CHUNK = 256  # query rows per program of the keys' pass
 _DOT_ROWS = 64  # (query, head) rows of one dot
@@ -111,7 +110,7 @@ def _dense_rows_kernel(
         coefficient = tl.where(m_ok, scale, 0.0)
     t_rows = g * stride_tg + offs_q[:, None].to(tl.int64) * stride_tq  # target and d_logit rows
     # walk 1: online log-sum-exp of the logits, the target's sums
-    m_i = tl.full([BLOCK_Q], _NEG_INF, tl.float32)
+    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
     sum_t = tl.zeros([BLOCK_Q], tl.float32)
     sum_tl = tl.zeros([BLOCK_Q], tl.float32)
@@ -128,9 +127,9 @@ def _dense_rows_kernel(
         sum_t += tl.sum(t, axis=1)
         sum_tl += tl.sum(t * logits, axis=1)  # t is 0 off the candidates
         sum_tlogt += tl.sum(tl.where(t > 0, t * tl.log(tl.maximum(t, 1e-38)), 0.0), axis=1)
-        logits = tl.where(candidate, logits, _NEG_INF)
+        logits = tl.where(candidate, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        shift = tl.where(m_new == _NEG_INF, 0.0, m_new)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
         m_i = m_new
     lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-38)), 0.0)
