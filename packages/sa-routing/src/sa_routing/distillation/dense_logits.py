@@ -126,13 +126,13 @@ def _dense_rows_kernel(
         t = tl.load(t_ptr + t_rows + offs_n[None, :], mask=candidate, other=0.0)
         sum_t += tl.sum(t, axis=1)
         sum_tl += tl.sum(t * logits, axis=1)  # t is 0 off the candidates
-        sum_tlogt += tl.sum(tl.where(t > 0, t * tl.log(tl.maximum(t, 1e-38)), 0.0), axis=1)
+        sum_tlogt += tl.sum(t * tl.log(tl.where(t > 0, t, 1.0)), axis=1)
         logits = tl.where(candidate, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
         m_i = m_new
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-38)), 0.0)
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
     kl = tl.where(sum_t > 0, sum_tlogt - sum_tl + lse * sum_t, 0.0) * weight
     tl.store(kl_ptr + g * rows + offs_q, kl, mask=q_ok)
     if WANT_Q or WANT_W or WANT_K:
