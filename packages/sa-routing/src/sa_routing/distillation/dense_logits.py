@@ -34,6 +34,7 @@ _BLOCK_N = 32  # units per step
 _ROW_CHUNK = 256  # query rows per program of the keys' pass
 _DOT_ROWS = 64  # (query, head) rows of one dot
 _WARPS = {"rows": 8, "keys": 8}
+_STAGES = {"rows": 1, "keys": 1}
 
 
 @triton.jit
@@ -296,6 +297,7 @@ def dense_tile_loss(
         rows, units, index_heads, index_dim, float(scale),
         HAS_WEIGHTS=index_weights is not None, WANT_Q=d_queries is not None,
         WANT_W=d_weights is not None, WANT_K=want_k, **meta, num_warps=_WARPS["rows"],
+        num_stages=_STAGES["rows"],
     )  # fmt: skip
     if want_k:
         chunks = triton.cdiv(rows, row_chunk)
@@ -306,6 +308,7 @@ def dense_tile_loss(
             partial.stride(0), partial.stride(1),
             rows, units, groups, index_heads, index_dim, float(scale), row_chunk,
             HAS_WEIGHTS=index_weights is not None, **meta, num_warps=_WARPS["keys"],
+            num_stages=_STAGES["keys"],
         )  # fmt: skip
         d_keys += partial.sum(dim=0)
     return kl.sum()
