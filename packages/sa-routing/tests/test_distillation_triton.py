@@ -104,8 +104,7 @@ def _check_dense_tile_kernels(
     from sa_routing.distillation.dense_logits import dense_tile_loss
 
     gen = seeded(13 + heads)
-    rows, groups, units, scale = 70, 2, 75, 0.3  # three unit steps
-    chunk = 32  # three chunks of rows in the keys' pass
+    rows, groups, units, scale = 70, 2, 75, 0.3  # five query blocks, two unit steps
     queries = torch.randn(rows, heads, groups, dim, generator=gen, dtype=torch.float64)
     queries = queries.transpose(1, 2).requires_grad_()  # strided
     weights = None
@@ -139,7 +138,7 @@ def _check_dense_tile_kernels(
     d_keys = torch.ones(units, dim, device=device)  # added to
     got = dense_tile_loss(
         on(queries), on(weights), scale, on(keys), on(target), start.to(device, torch.int32),
-        stop.to(device, torch.int32), on(row_weight), d_queries, d_weights, d_keys, row_chunk=chunk,
+        stop.to(device, torch.int32), on(row_weight), d_queries, d_weights, d_keys,
     )  # fmt: skip
     close = dict(rtol=tolerance, atol=tolerance, check_device=False, check_dtype=False)
     torch.testing.assert_close(got, want.detach(), **close)
@@ -159,8 +158,8 @@ def _check_dense_tile_kernels(
 @pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
 def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(weighted, heads, dim) -> None:
     """Strided index queries, index heads and dims that are not powers of two, candidate runs that
-    start anywhere, zero-mass candidates, a row without candidates and one without mass, three
-    chunks of rows in the keys' pass; the loss alone equals the loss with gradients."""
+    start anywhere, zero-mass candidates, a row without candidates and one without mass, partial
+    query and unit blocks; the loss alone equals the loss with gradients."""
     _check_dense_tile_kernels(weighted, heads, dim, "cpu", 1e-5)
 
 
@@ -168,7 +167,7 @@ def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(weighted, h
 @cuda
 @pytest.mark.parametrize(("heads", "dim"), [(4, 256), (4, 128)], ids=["csa", "qsa"])
 def test_cuda_dense_tile_loss_and_grads_are_fp32_accurate(heads, dim) -> None:
-    """The TF32×3 dots on the GPU stay within FP32-level error of the float64 KL."""
+    """The FP32 dots and kernel on the GPU stay within FP32-level error of the float64 KL."""
     _check_dense_tile_kernels(True, heads, dim, "cuda", 1e-4)
 
 

@@ -33,8 +33,9 @@ causal keys of the sparse queries (one when `lse` is given); the matmuls follow
 over the visible keys of every query (skipped when `lse` is given), then per tile one pass over the
 keys of the candidate units that sums `exp(s − lse)` over each group's heads and each unit's keys in
 registers; the automatic tiles merge up to 32M FP32 target elements (128 MiB). The indexer side
-(logits, KL, gradients) then runs two Triton kernels per tile (`dense_logits`: TF32×3 dots, FP32
-accurate), which add one FP32 `d_logit` tensor of the target's size and the keys' gradient partials.
+(logits, KL, gradients) then runs per tile three FP32 GEMMs and one fused Triton kernel
+(`dense_logits`), whose largest temporary is the FP32 dots of every index head, `index_heads` times
+the target's size.
 
 Sparse stage (`slots`): everything lives in the slot layout `[groups, queries, K]` of the selection
 (QSA: the route's `token_budget // c` blocks; CSA: the `topk + 1` region ids, the current region

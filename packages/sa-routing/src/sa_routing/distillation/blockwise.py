@@ -23,8 +23,9 @@ keys or units exists, in the forward or the backward (the autograd graph keeps o
 
 With `backend == "triton"` step 1 runs the kernels of `triton_kernels` instead (`_triton_target`):
 the per-head LSE of every query first (when not given), then each tile's unit mass; and steps 2
-and 3 run the kernels of `dense_logits` (`_triton_tile_loss`: the logits, KL and gradients streamed
-over the tile's units, TF32×3 dots) in place of the per-head matmuls of `_torch_tile_loss`.
+and 3 run `dense_logits` (`_triton_tile_loss`: one batched GEMM of the dots of every index head, a
+fused Triton kernel for the logits, KL and the dots' gradient, two GEMMs for the queries' and keys'
+gradients) in place of the per-head matmuls of `_torch_tile_loss`.
 """
 
 from __future__ import annotations
