@@ -78,9 +78,9 @@ def _dense_kl_kernel(
     # walk 1: online log-sum-exp of the logits over the candidates, the target's sums
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q], tl.float32)
-    sum_t = tl.zeros([BLOCK_Q], tl.float32)
-    sum_tl = tl.zeros([BLOCK_Q], tl.float32)
-    sum_tlogt = tl.zeros([BLOCK_Q], tl.float32)
+    acc_t = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)  # the target's sums, reduced after the walk
+    acc_tl = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
+    acc_tlogt = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         candidate = (offs_n[None, :] >= cs[:, None]) & (offs_n[None, :] < ce[:, None])
@@ -89,16 +89,18 @@ def _dense_kl_kernel(
             hq_ok[:, :, None] & candidate[None, :, :],
         )  # fmt: skip
         t = tl.load(t_ptr + t_rows + offs_n[None, :], mask=candidate, other=0.0)
-        sum_t += tl.sum(t, axis=1)
-        sum_tl += tl.sum(t * logits, axis=1)  # t is 0 off the candidates
-        sum_tlogt += tl.sum(t * tl.log(tl.where(t > 0, t, 1.0)), axis=1)
+        acc_t += t
+        acc_tl += t * logits  # t is 0 off the candidates
+        acc_tlogt += t * tl.log(tl.where(t > 0, t, 1.0))
         logits = tl.where(candidate, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
         m_i = m_new
+    sum_t = tl.sum(acc_t, axis=1)
     lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
-    kl = tl.where(sum_t > 0, sum_tlogt - sum_tl + lse * sum_t, 0.0) * weight
+    kl = tl.sum(acc_tlogt, axis=1) - tl.sum(acc_tl, axis=1) + lse * sum_t
+    kl = tl.where(sum_t > 0, kl, 0.0) * weight
     tl.store(kl_ptr + g * rows + offs_q, kl, mask=q_ok)
     if BACKWARD:
         # walk 2, over every unit of the tile: the dots become d_dot (0 off the candidates)
