@@ -9,9 +9,9 @@ the main attention attends. Three kernels compute it without an `[S, S]` tensor:
   causally visible keys of their documents with an online max / sum (FlashAttention's forward
   without the `P · V` product).
 - `_dense_mass_kernel`: one program owns `BLOCK_Q` queries × `HC` heads of one KV head (`HC` a power of
-  two, `BLOCK_Q · HC = 128` rows of the `Q · Kᵀ` tile) and a run of `units_per_program` units; it walks
-  the units `NU` at a time, gathers their keys through the unit table (`NU · UNIT` keys, `UNIT` the
-  padded unit size), forms `exp2(s · log2e − lse · log2e)`, masks it to the query's candidates and
+  two, `BLOCK_Q · HC` = 128 or 256 rows of the `Q · Kᵀ` tile, `_mass_rows`) and a run of
+  `units_per_program` units; it walks the units `NU` at a time, gathers their keys through the unit
+  table (`NU · UNIT` keys, `UNIT` the padded unit size), forms `exp2(s · log2e − lse · log2e)`, masks it to the query's candidates and
   visible keys, sums it over the `HC` heads (a reshape of the tile's rows) and over each unit's keys (a
   reshape of its columns) and adds the `[BLOCK_Q, NU]` result into the tile's `[G, rows, units]`
   output. A group's heads split into launches of power-of-two head chunks per KV head (QSA's 12
@@ -42,6 +42,13 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ROWS = 128  # rows (query, head pairs) of one Q · Kᵀ tile
 _KEYS = 64  # keys of one Q · Kᵀ tile
+
+
+def _mass_rows(chunk: int) -> int:
+    """Rows (query, head pairs) of one `_dense_mass_kernel` tile for `chunk` heads: 128 for 16 heads
+    (CSA's heads per KV head), 256 for fewer (QSA's chunks of 8 and 4), the faster of the two on the
+    H200 in `bench_indexer_distillation` at 32k tokens."""
+    return 128 if chunk >= 16 else 256
 
 
 @triton.jit
@@ -456,7 +463,7 @@ def dense_mass(
     ieee, upcast = _precision(query)
     written: set[int] = set()
     for g, kv, head0, chunk in _head_runs(heads, key.shape[1], groups):
-        block_q = max(1, _ROWS // chunk)
+        block_q = max(1, _mass_rows(chunk) // chunk)
         grid = (triton.cdiv(q1 - q0, block_q), triton.cdiv(u1 - u0, per_program))
         _dense_mass_kernel[grid](
             query, key, lse, unit_rows, key_documents, query_documents,
