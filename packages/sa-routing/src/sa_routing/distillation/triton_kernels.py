@@ -8,15 +8,16 @@ the main attention attends. Three kernels compute it without an `[S, S]` tensor:
   flattened (query, head) pairs of one KV head (`BLOCK_M` of them share one K tile), streamed over the
   causally visible keys of their documents with an online max / sum (FlashAttention's forward
   without the `P · V` product).
-- `_dense_mass_kernel`: one program owns `BLOCK_Q` queries × `HC` heads of one KV head (`HC` a power of
-  two, `BLOCK_Q · HC` = 128 or 256 rows of the `Q · Kᵀ` tile, `_mass_rows`) and a run of
+- `_dense_mass_kernel`: one program owns `BLOCK_Q` queries × `HC` heads of one KV head (`HC` a power
+  of two, `BLOCK_Q · HC` = 128 or 256 rows of the `Q · Kᵀ` tile, `_mass_rows`) and a run of
   `units_per_program` units; it walks the units `NU` at a time, gathers their keys through the unit
-  table (`NU · UNIT` keys, `UNIT` the padded unit size), forms `exp2(s · log2e − lse · log2e)`, masks it to the query's candidates and
-  visible keys, sums it over the `HC` heads (a reshape of the tile's rows) and over each unit's keys (a
-  reshape of its columns) and adds the `[BLOCK_Q, NU]` result into the tile's `[G, rows, units]`
-  output. A group's heads split into launches of power-of-two head chunks per KV head (QSA's 12
-  heads per KV head: 8 + 4), the later ones adding to what the earlier ones stored, so every output
-  element is written by one program at a time: no atomics, deterministic.
+  table (`NU · UNIT` keys, `UNIT` the padded unit size), forms `exp2(s · log2e − lse · log2e)`,
+  masks it to the query's candidates and visible keys, sums it over the `HC` heads (a reshape of the
+  tile's rows) and over each unit's keys (a reshape of its columns) and adds the `[BLOCK_Q, NU]`
+  result into the tile's `[G, rows, units]` output. A group's heads split into launches of
+  power-of-two head chunks per KV head (QSA's 12 heads per KV head: 8 + 4), the later ones adding to
+  what the earlier ones stored, so every output element is written by one program at a time: no
+  atomics, deterministic.
 - `_sparse_kernel` ("sparse"): one program per (query, route group); its selected units arrive sorted
   ascending (invalid ids last), so a repeat is its predecessor and counts once (set semantics). With
   `LSE_PASS` it computes the per-head LSE over the union of the selected units' visible keys and the
