@@ -131,7 +131,9 @@ def test_two_rank_context_parallel_training_equals_the_one_rank_run(kind):
         for step, ((logits, *_, grads), (ref_logits, ref_loss, ref_aux, ref_grads)) in enumerate(
             zip(history, expected, strict=True)
         ):
-            torch.testing.assert_close(logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5)
+            # after an AdamW step the logits carry the step's normalised FP32 gradient differences
+            tolerance = 1e-5 if step == 0 else 1e-4
+            torch.testing.assert_close(logits, ref_logits[:, cols], rtol=tolerance, atol=tolerance)
             torch.testing.assert_close(losses[step, 0], ref_loss, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(losses[step, 1], ref_aux, rtol=1e-5, atol=1e-6)
             assert grads.keys() == ref_grads.keys()
