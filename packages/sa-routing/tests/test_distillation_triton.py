@@ -133,19 +133,19 @@ def _check_dense_tile_kernels(
     inputs = (queries, keys) + ((weights,) if weighted else ())
     expected = torch.autograd.grad(want, inputs)
     on = lambda t: None if t is None else t.detach().to(device, torch.float32)
-    d_queries = torch.full((rows, groups, heads, dim), float("nan"), device=device)  # overwritten
-    d_weights = torch.full((rows, groups, heads), float("nan"), device=device) if weighted else None
-    d_keys = torch.ones(units, dim, device=device)  # added to
+    d_queries = torch.ones(rows, groups, heads, dim, device=device)  # the gradients are added
+    d_weights = torch.ones(rows, groups, heads, device=device) if weighted else None
+    d_keys = torch.ones(units, dim, device=device)
     got = dense_tile_loss(
         on(queries), on(weights), scale, on(keys), on(target), start.to(device, torch.int32),
         stop.to(device, torch.int32), on(row_weight), d_queries, d_weights, d_keys,
     )  # fmt: skip
     close = dict(rtol=tolerance, atol=tolerance, check_device=False, check_dtype=False)
     torch.testing.assert_close(got, want.detach(), **close)
-    torch.testing.assert_close(d_queries, expected[0], **close)
+    torch.testing.assert_close(d_queries - 1, expected[0], **close)
     torch.testing.assert_close(d_keys - 1, expected[1], **close)
     if weighted:
-        torch.testing.assert_close(d_weights, expected[2], **close)
+        torch.testing.assert_close(d_weights - 1, expected[2], **close)
     assert expected[0][7].abs().max() == 0 and expected[0][8:].abs().max() > 0
     loss_only = dense_tile_loss(
         on(queries), on(weights), scale, on(keys), on(target), start.to(device, torch.int32),

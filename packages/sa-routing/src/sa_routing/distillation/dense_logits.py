@@ -120,11 +120,11 @@ def _dense_kl_kernel(
             d_dots = tl.where(dots > 0, d_logit[None, :, :] * c[:, :, None], 0.0)
             tl.store(dots_ptr + dot_rows + offs_n[None, None, :], d_dots, mask=inside)
         if WANT_W:
-            tl.store(
+            dw_ptrs = (
                 dw_ptr + offs_q[None, :].to(tl.int64) * stride_dwq + g * stride_dwg
-                + offs_h[:, None] * stride_dwh,
-                d_w, mask=hq_ok,
+                + offs_h[:, None] * stride_dwh
             )  # fmt: skip
+            tl.store(dw_ptrs, d_w + tl.load(dw_ptrs, mask=hq_ok, other=0.0), mask=hq_ok)
 
 
 def dense_tile_loss(
@@ -148,8 +148,8 @@ def dense_tile_loss(
         target: float32 [G, rows, units], L1-normalised over each row's candidates, 0 elsewhere.
         candidate_start, candidate_stop: int32 [rows], the candidate units `[start, stop)` (tile-local).
         row_weight: float32 [G, rows], the weight of each (group, query)'s KL (0: no loss).
-        d_queries: float32 [rows, G, Hi, Di] and d_weights: float32 [rows, G, Hi], overwritten;
-            d_keys: float32 [units, Di], added to; None where not wanted.
+        d_queries: float32 [rows, G, Hi, Di], d_weights: float32 [rows, G, Hi] and d_keys: float32
+            [units, Di], the gradients added to them; None where not wanted.
     Returns:
         float32 scalar `Σ row_weight · KL(target || softmax(logits))`.
     """
@@ -174,7 +174,7 @@ def dense_tile_loss(
         BLOCK_H=triton.next_power_of_2(index_heads), BLOCK_N=_BLOCK_N, num_warps=_WARPS,
     )  # fmt: skip
     if d_queries is not None:  # dots now hold d_dot
-        d_queries.copy_(torch.matmul(dots, keys).permute(2, 0, 1, 3))
+        d_queries += torch.matmul(dots, keys).permute(2, 0, 1, 3)
     if d_keys is not None:
         d_keys += dots.view(-1, units).t() @ queries.view(-1, queries.shape[-1])
     return kl.sum()
