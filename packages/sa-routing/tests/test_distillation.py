@@ -880,3 +880,20 @@ def test_cuda_peak_memory_of_a_64k_token_qsa_loss_stays_within_its_tiles() -> No
     tile = 4 * max(heads * query_block * key_block, query_block * (total // c + 1))
     assert torch.isfinite(loss) and loss.item() > 0
     assert peak <= 3 * gradients + 8 * tile, (peak, gradients, tile)
+
+
+def test_merged_dense_tiles_stay_within_the_budget_of_their_widest_temporary() -> None:
+    """Causal tiles of 4 queries merge while `width · rows · units` fits: wider temporaries (more
+    index heads per group) give smaller merged tiles, and every query row stays in one tile."""
+    from sa_routing.distillation.blockwise import DistillationTile, merge_tiles
+
+    tiles = tuple(DistillationTile(0, q, q + 4, 0, q // 4 + 1, 0, q + 4) for q in range(0, 64, 4))
+    tiles += (DistillationTile(1, 0, 4, 0, 1, 0, 4),)  # another batch row never merges
+    for width in (2, 10):
+        merged = merge_tiles(tiles, width, budget=640)
+        assert all(width * (t.query_stop - t.query_start) * (t.unit_stop - t.unit_start) <= 640
+                   for t in merged)  # fmt: skip
+        rows = [(t.batch, q) for t in merged for q in range(t.query_start, t.query_stop)]
+        assert rows == [(t.batch, q) for t in tiles for q in range(t.query_start, t.query_stop)]
+        assert merged[-1] == tiles[-1]
+    assert len(merge_tiles(tiles, 2, 640)) < len(merge_tiles(tiles, 10, 640)) < len(tiles)

@@ -32,10 +32,10 @@ causal keys of the sparse queries (one when `lse` is given); the matmuls follow
 `torch.backends.cuda.matmul.allow_tf32`. On CUDA the target comes from Triton kernels: one LSE pass
 over the visible keys of every query (skipped when `lse` is given), then per tile one pass over the
 keys of the candidate units that sums `exp(s − lse)` over each group's heads and each unit's keys in
-registers; the automatic tiles merge up to 32M FP32 target elements (128 MiB). The indexer side
-(logits, KL, gradients) then runs per tile three FP32 GEMMs and one fused Triton kernel
-(`dense_logits`), whose largest temporary is the FP32 dots of every index head, `index_heads` times
-the target's size.
+registers. The indexer side (logits, KL, gradients) then runs per tile three FP32 GEMMs and one
+fused Triton kernel (`dense_logits`), whose largest temporary is the FP32 dots of every index head,
+`index_heads` times the target's size; the automatic tiles merge while the target and the dots stay
+within 160M FP32 elements (640 MiB: a 128 MiB target at 4 index heads).
 
 Sparse stage (`slots`): everything lives in the slot layout `[groups, queries, K]` of the selection
 (QSA: the route's `token_budget // c` blocks; CSA: the `topk + 1` region ids, the current region
@@ -111,7 +111,8 @@ _MODES = ("dense_warmup", "sparse")
 _REDUCTIONS = ("mean", "sum")
 _BACKENDS = ("auto", "triton", "torch")
 _QUERY_BLOCK = 256  # queries per tile when query_block is None
-_TILE_ELEMENTS = 1 << 25  # the Triton path's merged tiles: G * rows * units FP32 elements at most
+# the Triton path's merged tiles: FP32 target and index dots, G * (1 + Hi) * rows * units at most
+_TILE_ELEMENTS = 5 << 25
 
 
 class _DistillationLoss(torch.autograd.Function):
@@ -528,7 +529,8 @@ def _tiled(
         return dataclasses.replace(problem, tiles=slot_tiles(problem.tiles, per_row, query_block))
     if query_block is not None or problem.backend != "triton":
         return problem
-    return dataclasses.replace(problem, tiles=merge_tiles(problem.tiles, groups, _TILE_ELEMENTS))
+    width = groups * (1 + index_heads)  # the target and the dots of every index head
+    return dataclasses.replace(problem, tiles=merge_tiles(problem.tiles, width, _TILE_ELEMENTS))
 
 
 def _check_floating(fn: str, **tensors: torch.Tensor) -> None:

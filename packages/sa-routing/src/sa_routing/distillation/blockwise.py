@@ -113,10 +113,10 @@ def split_rows(
 
 
 def merge_tiles(
-    tiles: tuple[DistillationTile, ...], groups: int, budget: int
+    tiles: tuple[DistillationTile, ...], width: int, budget: int
 ) -> tuple[DistillationTile, ...]:
-    """Adjacent tiles of one batch row merged while `groups · rows · units` stays within `budget`
-    elements (the size of the tile's FP32 target and logits)."""
+    """Adjacent tiles of one batch row merged while `width · rows · units` stays within `budget`
+    elements (`width`: the FP32 elements per (query, unit) of the tile's largest temporaries)."""
     merged: list[DistillationTile] = []
     for tile in tiles:
         last = merged[-1] if merged else None
@@ -124,7 +124,7 @@ def merge_tiles(
             unit_start = min(last.unit_start, tile.unit_start)
             unit_stop = max(last.unit_stop, tile.unit_stop)
             rows = tile.query_stop - last.query_start
-            if groups * rows * (unit_stop - unit_start) <= budget:
+            if width * rows * (unit_stop - unit_start) <= budget:
                 merged[-1] = DistillationTile(
                     tile.batch,
                     last.query_start,

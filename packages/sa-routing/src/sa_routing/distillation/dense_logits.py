@@ -140,7 +140,7 @@ def dense_tile_loss(
     d_weights: torch.Tensor | None,
     d_keys: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The weighted KL sum of one dense warm-up tile, its gradients written on the way.
+    """The weighted KL sum of one dense warm-up tile, its gradients added on the way.
 
     Args (one tile: `rows` queries, `G` groups, `units` units):
         index_queries: [rows, G, Hi, Di] floating; index_weights: [rows, G, Hi] or None (every head's
@@ -160,6 +160,7 @@ def dense_tile_loss(
     dots = torch.matmul(queries, keys.t())  # [G, Hi, rows, units]
     target, row_weight = target.contiguous(), row_weight.contiguous()
     kl = torch.empty(groups, rows, dtype=torch.float32, device=target.device)
+    # placeholder pointers where HAS_WEIGHTS / WANT_W is off (never read)
     weights = index_weights if index_weights is not None else target
     dw = d_weights if d_weights is not None else kl.new_zeros(1, 1, 1)
     backward = any(g is not None for g in (d_queries, d_weights, d_keys))
