@@ -19,7 +19,7 @@ from sa_kernels.sparse_region_attention.triton_kernels import (
     region_attention_backward,
     region_attention_forward,
 )
-from sa_kernels.synthetic import csa_selection, region_layout
+from sa_kernels.synthetic import clustered_csa_selection, csa_selection, region_layout
 
 
 def _inputs(batch, queries, heads, groups, head_dim, kv_length, dtype, device="cpu", seed=0):
@@ -450,6 +450,58 @@ def test_auto_picks_flex_for_clustered_rows_and_gather_for_scattered_ones():
     assert choose(clustered, dtype=torch.float32) == "gather"
     assert choose(clustered, capability=(8, 0)) == "gather"
     assert auto_backend(clustered, "cpu", dtype=torch.bfloat16, head_dim=192) == "reference"
+
+
+def test_clustered_selection_shares_whole_runs_per_query_tile():
+    """Clustered rows: causal, in the query's document, at most topk earlier regions plus the own
+    one; sparse rows hold whole runs that every query of the tile with the same own run shares."""
+    documents = [[1000, 700], [1500]]
+    sources, owners, firsts = region_layout(documents, 1700, 8)
+    regions = sources.shape[1]
+    gen = torch.Generator().manual_seed(3)
+    ids = clustered_csa_selection(
+        owners, firsts, regions, groups=2, topk=32, query_start=100, queries=1600, generator=gen
+    )
+    assert ids.shape == (2, 2, 1600, 33) and ids.dtype == torch.int32
+    assert (ids[..., 1:] >= ids[..., :-1]).all()
+    own = owners[:, 100:].view(2, 1, -1, 1)
+    first = firsts[:, 100:].view(2, 1, -1, 1)
+    valid = ids < regions
+    assert ((ids >= first) & (ids <= own) | ~valid).all()  # causal, same document
+    assert ((ids == own) & valid).any(-1)[own.squeeze(-1).expand(-1, 2, -1) >= 0].all()
+    assert (valid.sum(-1) <= 33).all() and (~valid[1, :, 1500 - 100 :]).all()  # padding: none
+    earlier = (own - first).squeeze(-1)
+    dense = (earlier <= 32) & (own.squeeze(-1) >= 0)
+    want_dense = torch.where(dense, earlier + 1, 0).expand(-1, 2, -1)
+    assert torch.equal(torch.where(dense, valid.sum(-1), 0), want_dense)
+    run = (ids - first).div(16, rounding_mode="floor")
+    own_run = (earlier // 16).unsqueeze(-1)
+    history = valid & (run < own_run) & ~dense.unsqueeze(-1)
+    sparse = ~dense & (own.squeeze(-1) >= 0)
+    assert torch.equal(history.sum(-1), torch.where(sparse, 32 - 16, 0).expand(-1, 2, -1))
+    # rows of one tile with the same document and own run select the same runs
+    rows = torch.arange(100, 1700)
+    for b, g, tile in ((0, 0, 12), (0, 1, 13), (1, 0, 10)):
+        mask = (rows // 128 == tile) & ~dense[b, 0]
+        keys = (first[b, 0, :, 0], own_run[b, 0, :, 0])
+        for doc, r in {(int(keys[0][i]), int(keys[1][i])) for i in mask.nonzero().view(-1)}:
+            same = mask & (keys[0] == doc) & (keys[1] == r)
+            picked = torch.where(history[b, g, same], ids[b, g, same], regions)
+            assert same.sum() > 1 and (picked == picked[:1]).all()
+    # one document starting on a tile edge: the runs are whole 128-key tiles, so Flex's tiles fill
+    sources, owners, firsts = region_layout([[4096]], 4096, 8)
+    occupancy = {}
+    for name, select in (("clustered", clustered_csa_selection), ("scattered", csa_selection)):
+        ids = select(owners, firsts, sources.shape[1], groups=1, topk=64, generator=gen)
+        stats = build_region_block_mask(ids, sources, 4096, 2, build_flex=None).statistics
+        occupancy[name] = stats.occupancy
+    assert occupancy["clustered"] >= 0.8 and occupancy["scattered"] < 0.5
+
+
+def test_clustered_selection_refuses_runs_larger_than_half_the_budget():
+    sources, owners, firsts = region_layout([[64]], 64, 8)
+    with pytest.raises(ValueError, match="clustered_csa_selection: needs run >= 1 and topk >= 2"):
+        clustered_csa_selection(owners, firsts, 8, groups=1, topk=16, run=16)
 
 
 def test_auto_on_cpu_runs_the_reference():

@@ -3,11 +3,15 @@ baseline measured in the same run.
 
 Attention geometry of `Step5Config`'s defaults (64 query heads, 4 KV groups, head_dim 192, window
 512; indexer 4 groups × 4 heads × 256, region 8, top-k 512) in bf16, one document per row, random
-hidden states, routes from the layer's own randomly initialised indexer. Rows:
+hidden states. Rows:
 
     csa layer      Step5Attention ("csa", hidden 4096) fwd+bwd, indexer and region mask included, vs
                    the same weights with plain causal SDPA (K/V expanded to every head, no math
-                   fallback); peak memory of both
+                   fallback); peak memory of both. Three kinds of routes (`--routes`): those of the
+                   layer's own randomly initialised indexer, and `sa_kernels.synthetic`'s scattered
+                   (`csa_selection`) and clustered (`clustered_csa_selection`) ones, which replace
+                   the indexer's selection after it ran (its cost stays in the layer) and whose
+                   block mask the layer builds as for its own; "auto" picks the backend each time
     route prep     the indexer's selection and its block mask alone (share of the CSA layer)
     swa attention  the SWA layer's attention (its window-and-document Flex mask) fwd+bwd vs
                    FlexAttention with its own sliding-window block mask, the same compiled kernel
@@ -23,7 +27,7 @@ few minutes on an H200. `--smoke` runs every path at a tiny size on the CPU (Fle
 check the code, not to measure. Writes record rows (`tools/bench_records.py`) with `--json PATH`.
 
     python packages/sa-layers/benchmarks/bench_step5_layer.py [--quick] [--lengths N ...] [--reps R]
-        [--smoke] [--json PATH]
+        [--routes indexer scattered clustered] [--smoke] [--json PATH]
 """
 
 import argparse
@@ -40,12 +44,20 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from sa_kernels.sparse_region_attention import auto_backend
+from sa_kernels.synthetic import clustered_csa_selection, csa_selection, region_layout
 from sa_layers import Step5Attention, Step5Batch, Step5Config, Step5Model
 from sa_layers.step5 import attention as step5_attention
 from sa_layers.step5.attention import _flex
 from sa_routing import Step5SparseConfig
 
 CSA_GOALS = {32768: 1.0, 65536: 2.5, 131072: 5.0}
+# the CSA layer's routes: its own indexer's, or sa_kernels.synthetic's (the indexer still runs)
+ROUTE_NAMES = {
+    "indexer": "the indexer's routes",
+    "scattered": "synthetic scattered routes",
+    "clustered": "synthetic clustered routes",
+}
 SWA_LENGTH = 65536
 MODEL_LENGTHS = (65536, 131072)
 # every fused SDPA backend, never the math one (it would build [S, S] scores)
@@ -169,7 +181,56 @@ def layer_inputs(setup: Setup, config: Step5Config, length: int):
     return batch, hidden, torch.randn_like(hidden)
 
 
-def csa_rows(setup: Setup, length: int) -> list[dict]:
+def synthetic_selection(kind: str, batch: Step5Batch, config: Step5Config, length: int, seed=0):
+    """`sa_kernels.synthetic`'s region ids for the one-document row: "scattered" (`csa_selection`,
+    independent random regions per query) or "clustered" (`clustered_csa_selection`, whole
+    128-key tiles shared by each 128-query tile)."""
+    metadata = batch.sparse_metadata
+    sparse = config.sparse_config
+    device = metadata.region_sources.device
+    sources, owners, firsts = region_layout([[length]], length, sparse.region_size, device)
+    if not torch.equal(sources, metadata.region_sources):
+        raise RuntimeError("synthetic_selection: the batch's regions are not one document's")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    args = (owners, firsts, metadata.region_count)
+    kw = {"groups": config.num_attention_groups, "topk": sparse.topk, "generator": gen}
+    if kind == "scattered":
+        return csa_selection(*args, **kw)
+    # runs of one 128-key tile (fewer where the smoke run's top-k cannot hold two)
+    run = min(128 // sparse.region_size, sparse.topk // 2)
+    return clustered_csa_selection(*args, run=run, **kw)
+
+
+@contextlib.contextmanager
+def attending_over(region_ids: torch.Tensor | None):
+    """Within the block, CSA layers still run their indexer but attend over `region_ids` (its
+    block mask built from them, as for the indexer's own selection); None changes nothing."""
+    real = step5_attention.region_routes
+    if region_ids is not None:
+        step5_attention.region_routes = lambda selection, *args: real(
+            dataclasses.replace(selection, region_ids=region_ids), *args
+        )
+    try:
+        yield
+    finally:
+        step5_attention.region_routes = real
+
+
+def chosen_backend(layer: Step5Attention, hidden, batch: Step5Batch, length: int) -> str:
+    """The backend the layer's sparse attention runs on its current routes ("auto's choice" when
+    the config says "auto")."""
+    if layer.backend != "auto":
+        return layer.backend
+    with torch.no_grad():
+        routes = layer.select_routes(hidden, batch, length)
+    if routes.block_mask is None:
+        return "reference (auto's choice)"
+    head_dim = layer.config.head_dim
+    choice = auto_backend(routes.block_mask, hidden.device, dtype=hidden.dtype, head_dim=head_dim)
+    return f"{choice} (auto's choice)"
+
+
+def csa_rows(setup: Setup, length: int, routes: tuple[str, ...]) -> list[dict]:
     torch.manual_seed(0)
     hidden_size = setup.layer_hidden
     config = setup.config(("csa",), hidden_size)
@@ -180,39 +241,49 @@ def csa_rows(setup: Setup, length: int) -> list[dict]:
     )
     use_causal_sdpa(dense)
     batch, hidden, grad = layer_inputs(setup, config, length)
-
-    def route_prep():
-        with torch.no_grad():
-            sparse.select_routes(hidden, batch, length)
-
-    t_sparse = time_ms(fwd_bwd(sparse, hidden, batch, grad), setup)
     t_dense = time_ms(fwd_bwd(dense, hidden, batch, grad), setup)
-    t_prep = time_ms(route_prep, setup)
-    m_sparse = peak_gib(fwd_bwd(sparse, hidden, batch, grad), setup.device)
     m_dense = peak_gib(fwd_bwd(dense, hidden, batch, grad), setup.device)
     shape = f"1 × {length} tokens, {setup.geometry(hidden_size)}"
-    ratio = t_dense / t_sparse
     goal = CSA_GOALS.get(length) if setup.device == "cuda" else None
-    return [
-        record_row(
-            what="Step-5 CSA layer fwd+bwd (indexer and region mask included)",
-            shape=shape,
-            time_ms=t_sparse,
-            baseline="same layer with dense causal SDPA",
-            baseline_ms=t_dense,
-            throughput=f"peak {gib(m_sparse)} vs dense {gib(m_dense)}",
-            goal=None if goal is None else f"≥ {goal}× dense",
-            status=None if goal is None else ("met" if ratio >= goal else "not met"),
-        ),
-        record_row(
-            what="Step-5 CSA route preparation (indexer selection + region mask)",
-            shape=shape,
-            time_ms=t_prep,
-            baseline="the CSA layer fwd+bwd",
-            baseline_ms=t_sparse,
-            throughput=share_of_layer(t_prep, t_sparse),
-        ),
-    ]
+    rows = []
+    for kind in routes:
+        ids = None if kind == "indexer" else synthetic_selection(kind, batch, config, length)
+        with attending_over(ids):
+            backend = chosen_backend(sparse, hidden, batch, length)
+            t_sparse = time_ms(fwd_bwd(sparse, hidden, batch, grad), setup)
+            m_sparse = peak_gib(fwd_bwd(sparse, hidden, batch, grad), setup.device)
+        ratio = t_dense / t_sparse
+        rows.append(
+            record_row(
+                what=f"Step-5 CSA layer fwd+bwd, {ROUTE_NAMES[kind]}, {backend} (indexer and "
+                "region mask included)",
+                shape=shape,
+                time_ms=t_sparse,
+                baseline="same layer with dense causal SDPA",
+                baseline_ms=t_dense,
+                throughput=f"peak {gib(m_sparse)} vs dense {gib(m_dense)}",
+                goal=None if goal is None else f"≥ {goal}× dense",
+                status=None if goal is None else ("met" if ratio >= goal else "not met"),
+            )
+        )
+        if kind == "indexer":
+
+            def route_prep():
+                with torch.no_grad():
+                    sparse.select_routes(hidden, batch, length)
+
+            t_prep = time_ms(route_prep, setup)
+            rows.append(
+                record_row(
+                    what="Step-5 CSA route preparation (indexer selection + region mask)",
+                    shape=shape,
+                    time_ms=t_prep,
+                    baseline="the CSA layer fwd+bwd on the indexer's routes",
+                    baseline_ms=t_sparse,
+                    throughput=share_of_layer(t_prep, t_sparse),
+                )
+            )
+    return rows
 
 
 def swa_rows(setup: Setup, length: int) -> list[dict]:
@@ -358,6 +429,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32k and 64k only")
     parser.add_argument("--lengths", type=int, nargs="+", help="CSA layer and model lengths")
+    parser.add_argument(
+        "--routes",
+        nargs="+",
+        choices=tuple(ROUTE_NAMES),
+        default=tuple(ROUTE_NAMES),
+        help="the CSA layer's routes (default: all)",
+    )
     parser.add_argument("--reps", type=int, help="timed calls per measurement (default 3)")
     parser.add_argument(
         "--smoke", action="store_true", help="every path at a tiny size on the CPU, uncompiled"
@@ -388,7 +466,7 @@ def main() -> None:
         log(label, started)
 
     for length in lengths:
-        emit(csa_rows(setup, length), f"CSA layer at {length}")
+        emit(csa_rows(setup, length, tuple(args.routes)), f"CSA layer at {length}")
     emit(swa_rows(setup, swa_length), f"SWA layer at {swa_length}")
     for length in model_lengths:
         emit(model_rows(setup, length), f"model at {length}")

@@ -23,7 +23,13 @@ Every function takes an optional `torch.Generator` for reproducible draws.
 
 import torch
 
-__all__ = ["clustered_routes", "csa_selection", "region_layout", "scattered_routes"]
+__all__ = [
+    "clustered_csa_selection",
+    "clustered_routes",
+    "csa_selection",
+    "region_layout",
+    "scattered_routes",
+]
 
 # Rows drawn per step of `scattered_routes` (bounds its [rows, blocks] random scores).
 _ROWS_PER_STEP = 4096
@@ -234,4 +240,81 @@ def csa_selection(
         ids = torch.where(best >= 0, picked, regions) if keep else best.long()
         ids = torch.cat([ids, torch.where(own >= 0, own, regions).expand(-1, groups, -1, 1)], -1)
         out[:, :, start:stop] = ids.sort(dim=-1).values.to(torch.int32)
+    return out
+
+
+def clustered_csa_selection(
+    token_regions: torch.Tensor,
+    first_regions: torch.Tensor,
+    regions: int,
+    *,
+    groups: int,
+    topk: int,
+    run: int = 16,
+    query_tile: int = 128,
+    query_start: int = 0,
+    queries: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Clustered CSA-like region ids per (batch, group, query): whole runs of `run` regions shared by
+    every query of a `query_tile`-query tile, as an indexer with local structure would emit.
+
+    A document's regions fall into runs of `run` (run j: its regions first + j·run … first +
+    (j + 1)·run − 1). A query with at most `topk` earlier regions in its document selects them all
+    plus its own (the dense-equivalent row, as `csa_selection`). Any other query selects
+    `topk // run − 1` whole runs before its own run, drawn by scores shared by its (batch, group,
+    query tile) — so queries of one tile and document whose own run is the same select the same
+    runs — plus the regions of its own run up to and including its own: at most `topk` earlier
+    regions, like the indexer's top-k.
+
+    Args:
+        token_regions, first_regions, regions, groups, topk, query_start, queries, generator: as
+            `csa_selection`.
+        run: regions per shared run (16: one 128-key tile at region size 8).
+        query_tile: global query rows that share one draw.
+    Returns:
+        int32 [batch, groups, queries, min(topk, regions) + 1], ascending, unused slots =
+        `regions`; padding queries select nothing.
+    """
+    if run < 1 or topk < 2 * run:
+        raise ValueError(
+            f"clustered_csa_selection: needs run >= 1 and topk >= 2·run; got run={run}, topk={topk}"
+        )
+    batch, kv_length = token_regions.shape
+    device = token_regions.device
+    queries = kv_length - query_start if queries is None else queries
+    keep = min(topk, regions)
+    picks = topk // run - 1
+    runs = -(-regions // run)
+    out = torch.full((batch, groups, queries, keep + 1), regions, dtype=torch.int32, device=device)
+    first_tile = query_start // query_tile
+    tiles = (query_start + queries - 1) // query_tile - first_tile + 1
+    scores = torch.rand(batch, groups, tiles, runs, generator=generator, device=device)
+    lanes = torch.arange(run, device=device)
+    dense_lanes = torch.arange(keep + 1, device=device)
+    step = max(query_tile, _SCORE_ELEMENTS // max(1, batch * groups * max(runs, picks * run)))
+    for start in range(0, queries, step):
+        stop = min(start + step, queries)
+        rows = slice(query_start + start, query_start + stop)
+        own = token_regions[:, rows].view(batch, 1, -1, 1)
+        first = first_regions[:, rows].view(batch, 1, -1, 1)
+        earlier = own - first  # regions of the document before the query's own
+        own_run = earlier.div(run, rounding_mode="floor")
+        tile = (torch.arange(query_start + start, query_start + stop, device=device)) // query_tile
+        tile_scores = scores[:, :, tile - first_tile]  # [batch, groups, rows, runs]
+        tile_scores = torch.where(torch.arange(runs, device=device) < own_run, tile_scores, -1.0)
+        best, picked = tile_scores.topk(min(picks, runs), dim=-1)
+        picked = first + picked * run  # first region of each picked run
+        runs_ids = torch.where((best >= 0).unsqueeze(-1), picked.unsqueeze(-1) + lanes, regions)
+        own_ids = first + own_run * run + lanes
+        own_ids = torch.where(own_ids <= own, own_ids, regions).expand(-1, groups, -1, -1)
+        sparse = torch.cat([runs_ids.flatten(-2), own_ids], dim=-1)
+        width = keep + 1
+        if sparse.shape[-1] < width:
+            sparse = torch.nn.functional.pad(sparse, (0, width - sparse.shape[-1]), value=regions)
+        sparse = sparse.sort(dim=-1).values[..., :width]
+        dense = first + dense_lanes
+        dense = torch.where(dense <= own, dense, regions).expand(-1, groups, -1, -1)
+        ids = torch.where(earlier <= topk, dense, sparse)
+        out[:, :, start:stop] = torch.where(own >= 0, ids, regions).to(torch.int32)
     return out
