@@ -8,21 +8,19 @@ Geometries (batch 1, BF16 main Q/K/V, FP32 indexer tensors with gradients, rando
           2048, compress ratio 4 (sa_routing.QSAIndexerConfig); routes from `select_qsa_token_ids`.
     csa   64 query heads / 4 KV groups of 192, indexer 4 groups × 4 heads × 256, region 8, top-512
           (sa_routing.Step5SparseConfig); selection from `select_regions`.
-Rows per (geometry, length):
-    dense_warmup   loss forward + backward (the target, the KL and the indexer gradients), the LSE
-                   computed by the loss, vs one dense causal attention forward of the same Q/K/V
-                   (torch SDPA, flash backend on CUDA, K/V expanded to the query heads outside the
-                   timing).
-    dense_warmup, attention LSE   the same with `lse=` from the flash forward (aten
+Rows per (geometry, length), each with the same loss computing the LSE itself in its throughput:
+    dense_warmup, attention LSE   loss forward + backward (the target, the KL and the indexer
+                   gradients) with `lse=` from the flash forward (aten
                    `_scaled_dot_product_flash_attention`'s natural-log LSE), as the layers pass
-                   their dense path's; goal ≤ 1.5× that forward and peak extra memory ≤ 2 GiB at
-                   32k / 128k.
-    sparse         loss forward + backward over the routes, LSE computed, vs the layer's sparse
-                   attention forward (`sa_kernels.sparse_gqa_attention` on the token routes /
+                   their dense path's, vs one dense causal attention forward of the same Q/K/V
+                   (torch SDPA, flash backend on CUDA, K/V expanded to the query heads outside the
+                   timing); goal ≤ 1.5× that forward and peak extra memory ≤ 2 GiB at 32k / 128k.
+                   On the CPU (no flash LSE) the loss computes the LSE.
+    sparse, attention LSE   loss forward + backward over the routes with `lse=` from the layer's
+                   sparse attention forward (`return_lse=True`), as the QSA and Step-5 layers call
+                   it, vs that forward (`sa_kernels.sparse_gqa_attention` on the token routes /
                    `sa_kernels.sparse_region_attention` on the selection, block masks built outside
-                   the timing).
-    sparse, attention LSE   the same with `lse=` from that sparse forward (`return_lse=True`), as
-                   the QSA and Step-5 layers call it; goal ≤ 0.3× that forward.
+                   the timing); goal ≤ 0.3× that forward.
 "Peak extra" is the peak allocation during the call above what was allocated before it (inputs,
 routes, metadata), and also without the FP32 gradients of the indexer tensors (which the loss must
 return). Times: median of `--reps` calls after one warm-up call, CUDA events around each call.
@@ -238,13 +236,11 @@ def rows_for(
     lse = attention_lse(q, k, v, scale)
     rows = []
     dense = "dense causal attention forward (torch SDPA, flash on CUDA)"
-    measured = [("dense_warmup", None, dense, t_dense, DENSE_GOAL)]
-    if lse is not None:  # the flash forward's LSE exists on CUDA only
-        measured.append(("dense_warmup", lse, dense, t_dense, DENSE_GOAL))
     sparse = "the layer's sparse attention forward"
     with torch.no_grad():  # what the layers hand the loss: their sparse attention's own LSE
         sparse_lse = case["sparse"](return_lse=True)[1]
-    measured.append(("sparse", None, sparse, t_sparse_attention, SPARSE_GOAL))
+    # (mode, the attention's LSE or None: computed by the loss, baseline, its ms, goal)
+    measured = [("dense_warmup", lse, dense, t_dense, DENSE_GOAL)]
     measured.append(("sparse", sparse_lse, sparse, t_sparse_attention, SPARSE_GOAL))
     for mode, given, baseline, t_base, goal in measured:
         if profile and given is not None:
@@ -264,6 +260,10 @@ def rows_for(
             else f"; peak extra {peak:.2f} GiB ({peak - gradient_gib:.2f} beyond the "
             f"{gradient_gib:.2f} GiB of indexer gradients)"
         )
+        computed = ""
+        if given is not None:  # the same loss computing the LSE itself, on the same row
+            t_own = times_ms(step(mode, None), reps, device)
+            computed = f"; {t_own:.1f} ms = {t_own / t_base:.2f}× with the LSE computed by the loss"
         row = dict(
             what=what,
             shape=case["shape"],
@@ -271,7 +271,7 @@ def rows_for(
             baseline=baseline,
             baseline_ms=round(t_base, 3),
             ratio=round(t_base / t_loss, 3),
-            throughput=f"{t_loss / t_base:.2f}× the baseline" + memory,
+            throughput=f"{t_loss / t_base:.2f}× the baseline" + memory + computed,
         )
         if at_goal:
             memory_goal = f"; peak extra ≤ {MEMORY_GOAL:g} GiB" if mode == "dense_warmup" else ""
