@@ -542,16 +542,16 @@ def test_auto_runs_flex_only_inside_the_tested_envelope(
 def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
     """Flex needs its BlockMask block (128) to be a multiple of the kernel tiles, and the backward
     needs BLOCK_N1 % BLOCK_M1 == BLOCK_M2 % BLOCK_N2 == 0; wide heads, FP32 and CPU keep defaults."""
-    for head_dim in (64, 96, 128):
+    for head_dim in (64, 96, 128, 160, 192):
         options = flex_kernel_options(head_dim, torch.bfloat16, "cuda")
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
             assert TILE % options[name] == 0, name
         assert options["BLOCK_N1"] % options["BLOCK_M1"] == 0
         assert options["BLOCK_M2"] % options["BLOCK_N2"] == 0
-        # Shared memory of one forward stage set stays within what compiled at head_dim 256.
-        assert (options["BLOCK_M"] + 2 * options["num_stages"] * options["BLOCK_N"]) * head_dim <= (
-            (64 + 2 * 3 * 32) * 256
-        )
+        # The forward's 16-bit Q tile and staged K/V tiles fit sm_90's shared memory.
+        tiles = options["BLOCK_M"] + 2 * options["num_stages"] * options["BLOCK_N"]
+        assert 2 * tiles * head_dim <= 232_448
+    assert flex_kernel_options(192, torch.bfloat16, "cuda")["BLOCK_N1"] == 64  # 128 overflows
     assert flex_kernel_options(256, torch.bfloat16, "cuda") is None
     assert flex_kernel_options(128, torch.bfloat16, "cuda", bitmap_mask=False) is None
     assert flex_kernel_options(128, torch.float32, "cuda") is None

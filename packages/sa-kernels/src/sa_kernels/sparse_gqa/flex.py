@@ -8,9 +8,11 @@ head_dim <= 128 (e.g. backward 64/128/128/64 tiles, 3 stages, 8 warps) need 256�
 memory with a bitmap `mask_mod` (227 KiB available), while head_dim 256 compiles with its 64×64,
 2-stage defaults. `flex_kernel_options` therefore pins, for head_dim <= 128 (16-bit inputs on
 CUDA) and the bitmap mask_mod, the fastest configuration of an H200 sweep that fits: forward
-128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps. Every tile divides the
-128-wide route tiles, as Flex requires (its BlockMask block size must be a multiple of the
-kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults, which is what
+128×64 tiles, backward 64×128 (dK/dV) and 128×64 (dQ), 2 stages, 8 warps. For 128 < head_dim <=
+192 (Step-5's 192) Inductor's sm_90 default is 64×64 forward tiles with 3 stages and 4 warps and a
+64×64, 2-stage, 4-warp backward; the sweep's fastest there is 128×64 forward tiles, 64×64 backward
+tiles, 2 stages and 8 warps. Every tile divides the 128-wide route tiles, as Flex requires (its
+BlockMask block size must be a multiple of the kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults, which is what
 a block-aligned causal Flex mask compiles to.
 """
 
@@ -48,6 +50,21 @@ _SMALL_HEAD_FLEX_OPTIONS = {
     "num_stages": 2,
     "num_warps": 8,
 }
+# Flex tiles for 128 < head_dim <= 192 on CUDA. The fastest of an H200 sweep (clustered region
+# routes, 32k, Hq 64 / G 4 / D 192, bitmap mask_mod; forward / fwd+bwd ms): these 18.5 / 136.0
+# against Inductor's default 22.2 / 184.2; 128×32 forward tiles 24.9 / 141.7; one stage 22.6 /
+# 191.2; 4 warps with 32×64 / 64×32 backward tiles 60.0 / 305.0; 64×128 / 128×64 backward tiles
+# or 3 stages need 295 424 bytes of shared memory (the limit is 232 448).
+_MID_HEAD_FLEX_OPTIONS = {
+    "BLOCK_M": 128,
+    "BLOCK_N": 64,
+    "BLOCK_M1": 64,
+    "BLOCK_N1": 64,
+    "BLOCK_M2": 64,
+    "BLOCK_N2": 64,
+    "num_stages": 2,
+    "num_warps": 8,
+}
 
 
 @functools.cache
@@ -70,19 +87,20 @@ def flex_kernel_options(
 
     With the bitmap mask_mod (`bitmap_mask`; False: the arithmetic causal one, see
     `RouteBlockMask.statistics.causal_offset`), 16-bit inputs on an sm_90 GPU (`capability` (9, 0))
-    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps (fits sm_90's 227 KiB of
-    shared memory); the causal mask_mod, head_dim > 128, FP32, CPU and other GPU generations keep
+    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps, and with 128 < head_dim
+    <= 192 128×64 forward / 64×64 backward tiles, 2 stages and 8 warps (both fit sm_90's 227 KiB of
+    shared memory); the causal mask_mod, head_dim > 192, FP32, CPU and other GPU generations keep
     torch's defaults.
     """
     if (
         not bitmap_mask
         or device_type != "cuda"
         or dtype == torch.float32
-        or head_dim > 128
+        or head_dim > 192
         or capability != (9, 0)
     ):
         return None
-    return dict(_SMALL_HEAD_FLEX_OPTIONS)
+    return dict(_SMALL_HEAD_FLEX_OPTIONS if head_dim <= 128 else _MID_HEAD_FLEX_OPTIONS)
 
 
 def flex_attend(

@@ -10,7 +10,7 @@ plus its own causal mask, and region routes need a per-key membership test it do
 
 The Flex backend and the boundary checks are `sparse_gqa`'s (`sparse_gqa.flex`,
 `sparse_gqa.checks`); Flex kernel options are `flex_kernel_options`' for the bitmap mask_mod: on
-sm_90 with 16-bit inputs and head_dim <= 128 the tiles that fit its shared memory there; torch's
+sm_90 with 16-bit inputs and head_dim <= 192 the tiles that fit its shared memory there; torch's
 defaults otherwise. The GPU generation is read once per call (`backend.device_capability`) and
 handed to the mask build, `auto_backend` and the Flex options.
 """
