@@ -1,4 +1,5 @@
-"""Workspace-wide pytest hooks: `gpu` and `multigpu` tests skip cleanly where the hardware is missing."""
+"""Workspace-wide pytest hooks: `gpu` and `multigpu` tests skip cleanly where the hardware is missing,
+and `gpu` tests have room for one compiled Flex kernel per geometry."""
 
 import pytest
 import torch
@@ -13,3 +14,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if gpus < 2 and "multigpu" in item.keywords:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _flex_compiles(request: pytest.FixtureRequest):
+    """Dynamo's recompile limit (8) is per code object, so every compiled flex_attention of the
+    process shares it: past it, a new geometry would silently run Flex eagerly (scores
+    materialised in the input dtype). A `gpu` test gets room for 64, whatever ran before it."""
+    if "gpu" not in request.keywords:
+        yield
+        return
+    name = next(
+        n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n)
+    )
+    with torch._dynamo.config.patch(**{name: 64}):
+        yield

@@ -55,10 +55,9 @@ INTRO = """\
 
 ## How to read this
 
-- The current figure of every benchmark, each against a baseline of the same run, with its machine,
-  versions and command: one section per record file in `docs/results/` (one run of one script).
-  `python tools/gpu_tests.py --no-tests --bench <name>` on a GPU machine reruns the script and rewrites
-  its files (`--bench all`: every script); `python tools/render_benchmarks.py` then rewrites this page.
+- One section per record file in `docs/results/` (one run of one script, with its machine, versions
+  and command), each row against a baseline of the same run. `python tools/gpu_tests.py --no-tests
+  --bench <name>` on a GPU reruns the script and rewrites its files; `render_benchmarks.py` this page.
 - **ms** is the measured time; **ratio** is baseline ms / ms, so above 1 is faster than the baseline.
   A baseline given as a bandwidth (a device copy of the same bytes) has the copy's time for those bytes
   as its ms. An *ideal* baseline is computed, not measured (Step-5: the scoring FLOPs at 300 TFLOP/s).
@@ -67,12 +66,11 @@ INTRO = """\
 
 ## Method
 
-- GPU times come from `triton.testing.do_bench`: the call runs for a warm-up time, then is timed
-  with CUDA events over repeated runs, the L2 cache cleared (a 256 MB write) before each; the figure
-  is the mean of those runs (do_bench's default). Rows marked *CUDA graph* replay the call from a
-  graph, which removes its host launch cost (L2 is not cleared between replays). The FP64 oracles
-  and the replay benchmark are timed with a host timer around synchronised calls (median of a few
-  calls); Step-5's stage split is the median of three forwards, CUDA events between stages.
+- Kernel times come from `triton.testing.do_bench`: a warm-up, then CUDA events over repeated runs
+  with L2 cleared (a 256 MB write) before each; the figure is their mean. *CUDA graph* rows replay
+  the call from a graph (no host launch cost, L2 not cleared). Layer, model and loss rows: the median
+  of a few calls, CUDA events around each; Step-5's stage split: of three forwards, CUDA events
+  between stages; the FP64 oracles, the replay benchmark and the demo: a host timer.
 - Effective TFLOP/s count the useful work only. Sparse GQA: 4·D FLOPs per selected (query head, key)
   pair forward, 14·D forward+backward (dense causal SDPA: S(S+1)/2 pairs per head). Sparse MLA:
   2·S·H·top-k·(576 + 512) forward, 2.5× that backward. `indexer_score_tile`: 2·Q·G·H·R·D. QSA: the

@@ -601,17 +601,6 @@ def test_softmax_scale_accepts_other_spellings_of_a_float():
 # ---------------------------------------------------------------- CUDA, real sizes
 
 
-@pytest.fixture
-def flex_compiles():
-    """Room for one compiled Flex kernel per geometry of these tests (dynamo's recompile limit is
-    per code object: every compiled flex_attention in the process shares it)."""
-    name = next(
-        n for n in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, n)
-    )
-    with torch._dynamo.config.patch(**{name: 64}):
-        yield
-
-
 def _relative_error(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -639,7 +628,6 @@ def _cuda_case(kind, kv_length, groups, query_start, seed):
     [("csa", 0), ("csa", 1536), ("dense-docs", 0)],
     ids=["csa", "csa-cp-shard-start1536", "dense-docs"],
 )
-@pytest.mark.usefixtures("flex_compiles")
 def test_cuda_gather_and_flex_match_the_oracle(kind, query_start, head_dim):
     """gather and flex (bf16, fwd+bwd) against the FP32 oracle at 4096 keys, H16/4; auto runs flex
     on dense documents and gather on CSA rows; rows of padding queries give 0."""
@@ -672,7 +660,6 @@ def test_cuda_gather_and_flex_match_the_oracle(kind, query_start, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("flex_compiles")
 def test_cuda_compiled_flex_serves_new_routes_without_recompiling():
     kv_length, heads, groups = 2048, 8, 2
     q, k, v, _ = _inputs(1, kv_length, heads, groups, 128, kv_length, torch.bfloat16, "cuda")
