@@ -10,7 +10,7 @@ runs about as long as its host launch. Baselines: the same-size BF16 GEMM throug
 Shapes: the issue's target tile (Q 128, G 4, H 4, D 256, R 16384) and a Step-5-like call (Q 2048 against the
 same 16384 regions); without `--quick` also R 4096, R 65536 and G 1 × H 16 at D 128.
 `--sweep` times SWEEP_CONFIGS of `indexer_score/triton_kernels.py` (the Gluon kernel, the resident kernel and
-its closest rivals of the 2026-11-29 H200 sweep, the previous tiles default among them) on the two first shapes,
+its closest rivals of an H200 sweep, the plain tiles kernel among them) on the two first shapes,
 checks each against the reference and for bit identity with the public call's default (`default_config`:
 GLUON_CONFIG on SM90, DEFAULT_CONFIG elsewhere), and prints the best per shape and the best over both
 (geometric mean of the speed-up over that default): if another config wins, it should become the default.

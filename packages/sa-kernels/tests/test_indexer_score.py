@@ -511,7 +511,7 @@ RESIDENT_CONFIGS = [cfg for cfg in triton_kernels.SWEEP_CONFIGS if cfg.get("KERN
 # (batch, queries, groups, heads, dim, regions): the benchmark's geometry, 16 heads of 128 dims (8 queries per
 # block), and 3 heads of 104 dims (padded heads; D padded to 128 by one kernel and masked by the other; 208-byte
 # rows, so TMA still applies). At D 104 the H200 gave bits that differ by up to 7.6e-6 (about one ulp of
-# scores near 10; 2026-11-29 19:47 UTC), so bit identity is claimed only where D is a multiple of the tiles
+# scores near 10), so bit identity is claimed only where D is a multiple of the tiles
 # kernel's 64-wide D step.
 BIT_IDENTITY_SHAPES = [(1, 200, 4, 4, 256, 1008), (1, 60, 1, 16, 128, 700), (2, 90, 2, 3, 104, 333)]
 

@@ -78,7 +78,7 @@ def sweep_triton(q, kv, ids, sink, dout, shape, flops):
     out, lse = sparse_mla_forward(q, kv2, ids2, scale, None, sink)
     lse_total = torch.logaddexp(lse, sink[None])
     # Spill-free 32-head forward blocks (179/202 registers per ptxas) measured slower on the H200
-    # (137/188 vs the then-default's 234 TFLOP/s, 2026-11-29, before the unchained score dots), so
+    # (137/188 against the 64-head default's 234 TFLOP/s, both with chained score dots), so
     # the sweep keeps the 64-head neighbours of the defaults.
     # (64 × 64 slots with 3 stages no longer fits shared memory: 296 KiB with the ids loaded ahead.)
     fwd = [
