@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _flex_compiles(request: pytest.FixtureRequest):
     """Dynamo's recompile limit (8) is per code object, so every compiled flex_attention of the
     process shares it: past it, a new geometry would silently run Flex eagerly (scores
-    materialised in the input dtype). A `gpu` test gets room for 64, whatever ran before it."""
+    materialised in the input dtype). Inside `gpu` tests the limit is 64 (a count over the whole
+    process, not per test)."""
     if "gpu" not in request.keywords:
         yield
         return

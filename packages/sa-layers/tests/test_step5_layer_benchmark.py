@@ -54,11 +54,29 @@ def test_attending_over_swaps_the_selection_and_restores_the_layer(bench, kind):
     assert ids.shape == own.shape and ids.dtype == own.dtype
 
 
-def test_csa_rows_time_every_route_kind(bench):
+def test_csa_rows_time_every_route_kind_on_its_routes(bench, monkeypatch):
+    """One row per route kind, each timed on its own routes: the synthetic rows' calls attend over
+    the synthetic ids, the indexer row's over the indexer's."""
+    config, _, batch, _, _ = _layer(bench)
+    synthetic = {
+        k: bench.synthetic_selection(k, batch, config, LENGTH) for k in ("scattered", "clustered")
+    }
+    seen = []
+    real = step5_attention.region_routes
+
+    def spy(selection, *args):
+        seen.append(selection.region_ids)
+        return real(selection, *args)
+
+    monkeypatch.setattr(step5_attention, "region_routes", spy)
     rows = bench.csa_rows(bench.SMOKE, LENGTH, tuple(bench.ROUTE_NAMES))
     names = [row["what"] for row in rows]
     assert len(rows) == 4 and names[1].startswith("Step-5 CSA route preparation")
     for row, kind in zip([rows[0], *rows[2:]], bench.ROUTE_NAMES.values(), strict=True):
         assert kind in row["what"] and "reference (auto's choice)" in row["what"]
         assert row["time_ms"] > 0 and row["baseline"] == "same layer with dense causal SDPA"
-    assert len({row["baseline_ms"] for row in rows if row is not rows[1]}) == 1  # one dense run
+    matches = {k: sum(torch.equal(ids, want) for ids in seen) for k, want in synthetic.items()}
+    own = sum(not any(torch.equal(ids, w) for w in synthetic.values()) for ids in seen)
+    # each kind: its backend choice, then a warm-up and the timed calls (CPU: no peak-memory call)
+    calls = 2 + bench.SMOKE.reps
+    assert matches == {"scattered": calls, "clustered": calls} and own >= calls

@@ -17,6 +17,10 @@ Regions (`sparse_region_attention`'s `region_ids` and `region_sources`):
   region of the query's document up to its own when at most `topk` precede it (dense-equivalent),
   else `topk` random earlier regions of the document plus its own; ascending, unused slots = the
   region count.
+- `clustered_csa_selection` draws the same rows with the structure of an indexer that learned
+  locality: every query of a 128-query tile shares whole runs of 16 regions (one 128-key tile at
+  region size 8 when the document starts on a tile edge), plus the regions of its own run up to
+  its own (the Flex / block-sparse case).
 
 Every function takes an optional `torch.Generator` for reproducible draws.
 """
@@ -264,14 +268,16 @@ def clustered_csa_selection(
     plus its own (the dense-equivalent row, as `csa_selection`). Any other query selects
     `topk // run − 1` whole runs before its own run, drawn by scores shared by its (batch, group,
     query tile) — so queries of one tile and document whose own run is the same select the same
-    runs — plus the regions of its own run up to and including its own: at most `topk` earlier
-    regions, like the indexer's top-k.
+    runs — plus the regions of its own run up to and including its own: at most `topk` regions in
+    all, one fewer than the indexer's `topk` earlier regions plus its own.
 
     Args:
         token_regions, first_regions, regions, groups, topk, query_start, queries, generator: as
             `csa_selection`.
-        run: regions per shared run (16: one 128-key tile at region size 8).
-        query_tile: global query rows that share one draw.
+        run: regions per shared run, counted from the document's first region (16: one 128-key
+            tile at region size 8 where the document starts on a multiple of 128 tokens).
+        query_tile: global query rows that share one draw. Each call draws its own scores, so
+            separate calls for the shards of one row do not give one row's draw.
     Returns:
         int32 [batch, groups, queries, min(topk, regions) + 1], ascending, unused slots =
         `regions`; padding queries select nothing.

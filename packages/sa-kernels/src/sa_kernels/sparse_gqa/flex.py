@@ -12,8 +12,8 @@ CUDA) and the bitmap mask_mod, the fastest configuration of an H200 sweep that f
 192 (Step-5's 192) Inductor's sm_90 default is 64×64 forward tiles with 3 stages and 4 warps and a
 64×64, 2-stage, 4-warp backward; the sweep's fastest there is 128×64 forward tiles, 64×64 backward
 tiles, 2 stages and 8 warps. Every tile divides the 128-wide route tiles, as Flex requires (its
-BlockMask block size must be a multiple of the kernel's). The arithmetic causal mask_mod (see `block_mask`) keeps torch's defaults, which is what
-a block-aligned causal Flex mask compiles to.
+BlockMask block size must be a multiple of the kernel's). The arithmetic causal mask_mod (see
+`block_mask`) keeps torch's defaults, which is what a block-aligned causal Flex mask compiles to.
 """
 
 import functools
@@ -50,11 +50,12 @@ _SMALL_HEAD_FLEX_OPTIONS = {
     "num_stages": 2,
     "num_warps": 8,
 }
-# Flex tiles for 128 < head_dim <= 192 on CUDA. The fastest of an H200 sweep (clustered region
-# routes, 32k, Hq 64 / G 4 / D 192, bitmap mask_mod; forward / fwd+bwd ms): these 18.5 / 136.0
-# against Inductor's default 22.2 / 184.2; 128×32 forward tiles 24.9 / 141.7; one stage 22.6 /
-# 191.2; 4 warps with 32×64 / 64×32 backward tiles 60.0 / 305.0; 64×128 / 128×64 backward tiles
-# or 3 stages need 295 424 bytes of shared memory (the limit is 232 448).
+# Flex tiles for 128 < head_dim <= 192 on CUDA, chosen on the H200 (clustered region routes, Hq 64
+# / G 4 / D 192, bitmap mask_mod) over 128×32 forward tiles, one stage, and 4 warps; 64×128 /
+# 128×64 backward tiles or 3 stages need 295 424 bytes of shared memory (the limit is 232 448).
+# Recorded effect (docs/results/step5_layer.json, bench_step5_layer.py): the Step-5 CSA layer on
+# clustered routes runs 1.49× / 2.74× / 5.18× dense at 32k / 64k / 128k, against 1.18× / 2.16× /
+# 4.12× with Inductor's defaults.
 _MID_HEAD_FLEX_OPTIONS = {
     "BLOCK_M": 128,
     "BLOCK_N": 64,
