@@ -556,6 +556,8 @@ def test_flex_kernel_options_tile_the_route_blocks_as_flex_requires():
     assert flex_kernel_options(192, torch.bfloat16, "cuda")["BLOCK_N1"] == 64  # 128 overflows
     assert flex_kernel_options(256, torch.bfloat16, "cuda") is None
     assert flex_kernel_options(128, torch.bfloat16, "cuda", bitmap_mask=False) is None
+    mid = flex_kernel_options(192, torch.bfloat16, "cuda")
+    assert flex_kernel_options(192, torch.bfloat16, "cuda", bitmap_mask=False) == mid
     assert flex_kernel_options(128, torch.float32, "cuda") is None
     assert flex_kernel_options(128, torch.bfloat16, "cpu") is None
     assert flex_kernel_options(128, torch.bfloat16, "cuda", capability=(8, 0)) is None

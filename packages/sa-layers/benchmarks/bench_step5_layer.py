@@ -15,6 +15,7 @@ hidden states. Rows:
     route prep     the indexer's selection and its block mask alone (share of the CSA layer)
     swa attention  the SWA layer's attention (its window-and-document Flex mask) fwd+bwd vs
                    FlexAttention with its own sliding-window block mask, the same compiled kernel
+                   and kernel options (`flex_kernel_options`)
     swa layer      the whole SWA layer fwd+bwd with either mask
     model          a 4-layer Step5Model (SWA, SWA, SWA, CSA; hidden 2048, vocab 32 000) fwd+bwd
                    tokens/s vs the same model with the CSA layer replaced by dense causal SDPA;
@@ -326,7 +327,7 @@ def swa_rows(setup: Setup, length: int) -> list[dict]:
     ours = attention(
         lambda q, k, v: layer.window_attention(q, k, v, batch), flex=bool(batch.flex_masks)
     )
-    flex = attention(lambda q, k, v: _flex(q, k, v, own, layer.scale), flex=True)
+    flex = attention(lambda q, k, v: _flex(q, k, v, own, layer.scale, batch.capability), flex=True)
     t_ours, t_flex = time_ms(ours, setup), time_ms(flex, setup)
     t_layer = time_ms(fwd_bwd(layer, hidden, batch, grad), setup)
     t_layer_flex = time_ms(flex_layer, setup)

@@ -12,8 +12,11 @@ CUDA) and the bitmap mask_mod, the fastest configuration of an H200 sweep that f
 192 (Step-5's 192) Inductor's sm_90 default is 64×64 forward tiles with 3 stages and 4 warps and a
 64×64, 2-stage, 4-warp backward; the sweep's fastest there is 128×64 forward tiles, 64×64 backward
 tiles, 2 stages and 8 warps. Every tile divides the 128-wide route tiles, as Flex requires (its
-BlockMask block size must be a multiple of the kernel's). The arithmetic causal mask_mod (see
-`block_mask`) keeps torch's defaults, which is what a block-aligned causal Flex mask compiles to.
+BlockMask block size must be a multiple of the kernel's). Arithmetic mask_mods (the causal one of
+`block_mask`, the Step-5 layers' window and document masks) keep torch's defaults for head_dim <=
+128, which is what a block-aligned causal Flex mask compiles to, and take the same 128 < head_dim
+<= 192 options: on the H200 the Step-5 SWA window-and-document mask at 64k tokens, D 192, runs
+fwd+bwd faster with them than with Inductor's defaults (`docs/results/step5_layer.json`).
 """
 
 import functools
@@ -84,24 +87,20 @@ def flex_kernel_options(
     *,
     bitmap_mask: bool = True,
 ) -> dict | None:
-    """`kernel_options` for compiled flex_attention over route masks; None keeps torch's defaults.
+    """`kernel_options` for compiled flex_attention; None keeps torch's defaults.
 
-    With the bitmap mask_mod (`bitmap_mask`; False: the arithmetic causal one, see
-    `RouteBlockMask.statistics.causal_offset`), 16-bit inputs on an sm_90 GPU (`capability` (9, 0))
-    with head_dim <= 128 get 128×64 / 64×128 tiles, 2 stages and 8 warps, and with 128 < head_dim
-    <= 192 128×64 forward / 64×64 backward tiles, 2 stages and 8 warps (both fit sm_90's 227 KiB of
-    shared memory); the causal mask_mod, head_dim > 192, FP32, CPU and other GPU generations keep
-    torch's defaults.
+    16-bit inputs on an sm_90 GPU (`capability` (9, 0)): with 128 < head_dim <= 192, 128×64
+    forward / 64×64 backward tiles, 2 stages and 8 warps, for every mask_mod; with head_dim <= 128
+    and the bitmap mask_mod (`bitmap_mask`; False: an arithmetic one such as the causal one of
+    `RouteBlockMask.statistics.causal_offset`), 128×64 / 64×128 tiles, 2 stages and 8 warps (both
+    fit sm_90's 227 KiB of shared memory). Arithmetic mask_mods at head_dim <= 128, head_dim > 192,
+    FP32, CPU and other GPU generations keep torch's defaults.
     """
-    if (
-        not bitmap_mask
-        or device_type != "cuda"
-        or dtype == torch.float32
-        or head_dim > 192
-        or capability != (9, 0)
-    ):
+    if device_type != "cuda" or dtype == torch.float32 or head_dim > 192 or capability != (9, 0):
         return None
-    return dict(_SMALL_HEAD_FLEX_OPTIONS if head_dim <= 128 else _MID_HEAD_FLEX_OPTIONS)
+    if head_dim > 128:
+        return dict(_MID_HEAD_FLEX_OPTIONS)
+    return dict(_SMALL_HEAD_FLEX_OPTIONS) if bitmap_mask else None
 
 
 def flex_attend(

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from sa_cp import RecomputeReplay, gather_halo, gather_no_grad, gather_sequence
 from sa_kernels import grouped_rms_norm, sparse_region_attention
-from sa_kernels.sparse_gqa.flex import compiled_flex, flex_attend
+from sa_kernels.sparse_gqa.flex import compiled_flex, flex_attend, flex_kernel_options
 from sa_kernels.sparse_region_attention import RegionBlockMask, build_region_block_mask
 from sa_kernels.sparse_region_attention.triton_kernels import MAX_HEAD_DIM
 from sa_routing import (
@@ -278,7 +278,7 @@ class Step5Attention(nn.Module):
             key, value = both.split(groups, dim=2)
         mask = batch.flex_masks.get("swa")
         if mask is not None:
-            return _flex(query, key, value, mask, self.scale)
+            return _flex(query, key, value, mask, self.scale, batch.capability)
         return masked_attention(
             query,
             key,
@@ -296,7 +296,7 @@ class Step5Attention(nn.Module):
         (all-gathered under CP)."""
         mask = batch.flex_masks.get("dense")
         if mask is not None:
-            return _flex(query, key, value, mask, self.scale)
+            return _flex(query, key, value, mask, self.scale, batch.capability)
         return masked_attention(
             query,
             key,
@@ -318,7 +318,7 @@ class Step5Attention(nn.Module):
         on the masked-SDPA path, which returns none (SDPA has no portable LSE output)."""
         mask = batch.flex_masks.get("dense")
         if mask is not None:
-            return _flex(query, key, value, mask, self.scale, return_lse=True)
+            return _flex(query, key, value, mask, self.scale, batch.capability, return_lse=True)
         return self.causal_attention(query, key, value, batch), None
 
     @torch.compiler.disable
@@ -523,16 +523,22 @@ def masked_attention(
 
 
 def _flex(
-    query, key, value, block_mask, scale: float, *, return_lse: bool = False
+    query, key, value, block_mask, scale: float, capability, *, return_lse: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention over a Flex block mask of the batch, in our [B, tokens, heads, D] layout
-    (`sa_kernels`' `flex_attend`; rows with no visible key give 0), compiled once per process.
-    Inside a torch.compile'd model the plain `flex_attention` is traced into the model's graph
-    (Inductor compiles it) instead of nesting a compile. With `return_lse`, `(out, lse)`: lse
-    float32 [B, tokens, heads], Flex's natural log-sum-exp, detached, −inf on a row with no
-    visible key."""
+    (`sa_kernels`' `flex_attend`; rows with no visible key give 0), compiled once per process, with
+    `flex_kernel_options` for the batch's arithmetic window / causal mask_mods on a GPU of compute
+    `capability`. Inside a torch.compile'd model the plain `flex_attention` is traced into the
+    model's graph (Inductor compiles it) instead of nesting a compile. With `return_lse`,
+    `(out, lse)`: lse float32 [B, tokens, heads], Flex's natural log-sum-exp, detached, −inf on a
+    row with no visible key."""
     if torch.compiler.is_compiling():
         from torch.nn.attention.flex_attention import flex_attention as attention
     else:
         attention = compiled_flex()
-    return flex_attend(attention, query, key, value, block_mask, scale, return_lse=return_lse)
+    options = flex_kernel_options(
+        query.shape[-1], query.dtype, query.device.type, capability, bitmap_mask=False
+    )
+    return flex_attend(
+        attention, query, key, value, block_mask, scale, options, return_lse=return_lse
+    )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from sa_cp import ContextParallelLayout, gather_no_grad, group_rank_and_size
+from sa_kernels.backend import device_capability
 from sa_routing import RegionMetadata, region_metadata
 
 from ..rotary import rotary_table
@@ -54,6 +55,8 @@ class Step5Batch:
             document over the SWA key rows; "dense": causal and document over the global keys, for
             dense layers and for CSA layers in the indexer's dense warm-up), or empty where the
             chunked masked-SDPA path runs (CPU, backend "reference").
+        capability: the compute capability of the batch's CUDA device (None off CUDA), read once
+            per call for the Flex kernel options (`sa_kernels.flex_kernel_options`).
     """
 
     cp: ContextParallelLayout
@@ -70,6 +73,7 @@ class Step5Batch:
     swa_halo: str
     swa_key_documents: torch.Tensor
     flex_masks: dict[str, Any]
+    capability: tuple[int, int] | None = None
 
     batch_size = property(lambda self: self.positions.shape[0])
     local_length = property(lambda self: self.positions.shape[1])
@@ -205,6 +209,7 @@ class Step5Batch:
             swa_halo=mode,
             swa_key_documents=swa_documents,
             flex_masks=masks,
+            capability=device_capability(device),
         )
 
 
