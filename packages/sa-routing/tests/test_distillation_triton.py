@@ -154,21 +154,46 @@ def _check_dense_tile_kernels(
     torch.testing.assert_close(loss_only, got, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("three_tf32", [False, True], ids=["fp32", "3xtf32-split"])
 @pytest.mark.parametrize(("heads", "dim"), [(3, 20), (4, 16)], ids=["Hi3-Di20", "Hi4-Di16"])
 @pytest.mark.parametrize("weighted", [True, False], ids=["head-weights", "one-scale"])
-def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(weighted, heads, dim) -> None:
+def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(
+    weighted, heads, dim, three_tf32, monkeypatch
+) -> None:
     """Strided index queries, index heads and dims that are not powers of two, candidate runs that
     start anywhere, zero-mass candidates, a row without candidates and one without mass, partial
-    query and unit blocks; the loss alone equals the loss with gradients."""
+    query and unit blocks, a unit count padded to the GEMM alignment; the loss alone equals the loss
+    with gradients. `three_tf32` takes the CUDA default's split path (the kernel writes d_dot in
+    TF32 and low parts; on the CPU each part's product is FP32)."""
+    from sa_routing.distillation import dense_logits
+
+    monkeypatch.setattr(dense_logits, "_three_tf32", lambda tensor: three_tf32)
     _check_dense_tile_kernels(weighted, heads, dim, "cpu", 1e-5)
+
+
+def test_tf32_parts_keep_22_bits_of_every_fp32() -> None:
+    """hi and lo are TF32 values (10 mantissa bits); hi is the nearest to x, lo to the rest, and
+    x − hi − lo is within 2⁻²² |x|."""
+    from sa_routing.distillation.dense_logits import _tf32_parts
+
+    x = torch.randn(4096, generator=seeded(3)) * torch.logspace(-20, 20, 4096)
+    hi, lo = _tf32_parts(x)
+    for part in (hi, lo):
+        assert torch.all(part.view(torch.int32) & 0x1FFF == 0)
+    assert ((x - hi).abs() <= x.abs() * 2.0**-11).all()  # nearest: half a TF32 ulp
+    assert ((x - hi - lo).abs() <= x.abs() * 2.0**-22).all()
+    assert (x - hi).abs().max() > 0 and lo.abs().max() > 0
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize(("heads", "dim"), [(4, 256), (4, 128)], ids=["csa", "qsa"])
 def test_cuda_dense_tile_loss_and_grads_are_fp32_accurate(heads, dim) -> None:
-    """The FP32 dots and kernel on the GPU stay within FP32-level error of the float64 KL."""
+    """The 3xTF32 GEMMs and the kernel on the GPU (PyTorch's default "highest" FP32 matmul precision)
+    stay within FP32-level error of the float64 KL."""
+    assert torch.get_float32_matmul_precision() == "highest"
     _check_dense_tile_kernels(True, heads, dim, "cuda", 1e-4)
+    assert torch.get_float32_matmul_precision() == "highest"  # restored after the TF32 GEMMs
 
 
 def _documents(lengths: list[int], total: int) -> torch.Tensor:

@@ -6,21 +6,30 @@ index heads h (`c_h` the head weight, or one scale for all). The PyTorch path of
 elementwise passes over `[G, rows, units]` tensors. Here, per tile:
 
 1. `dots = q · keysᵀ`, FP32 `[G, Hi, rows, units]`, one batched GEMM over every (group, head);
-2. `_dense_kl_kernel`, one program per (query block, group): a first walk over the block's candidate
-   units keeps the online log-sum-exp of the logits and the sums `Σ t`, `Σ t · logit` and
-   `Σ t · log t` of the target t, from which each query's KL is `Σ t log t − Σ t · logit + lse · Σ t`;
-   a second walk forms `d_logit = (softmax − t) · w` (w the query's loss weight), the head weights'
-   gradient `Σ_u d_logit · relu(dot)` in registers, and overwrites the dots with
-   `d_dot = d_logit · c_h · [dot > 0]` (0 off the candidates);
+2. `_dense_kl_kernel`, one program per (query block, group), every tensor `[BLOCK_Q, BLOCK_N]` (one
+   index head at a time): a first walk over the block's candidate units keeps the online
+   log-sum-exp of the logits and the sums `Σ t`, `Σ t · logit` and `Σ t · log t` of the target t,
+   from which each query's KL is `Σ t log t − Σ t · logit + lse · Σ t`; a second walk forms
+   `d_logit = (softmax − t) · w` (w the query's loss weight), the head weights' gradient
+   `Σ_u d_logit · relu(dot)` and overwrites the dots with `d_dot = d_logit · c_h · [dot > 0]` (0
+   off the candidates);
 3. the index queries' gradient `d_dot · keys` and the unit keys' gradient `Σ_{g, h, q} d_dotᵀ · q_h`,
    two more GEMMs.
 
-The GEMMs follow `torch.backends.cuda.matmul.allow_tf32`, as the PyTorch path's matmuls do (FP32
-products by default). The largest temporary is the `[G, Hi, rows, units]` dot tensor, `Hi` times the
-tile's target.
+Precision: under `torch.backends.cuda.matmul.allow_tf32` (`torch.set_float32_matmul_precision`
+"high" or "medium") the GEMMs run in TF32, as any FP32 matmul of PyTorch does. Otherwise ("highest",
+PyTorch's default) CUDA GEMMs run as three TF32 products on the tensor cores instead of FP32 FMA
+("3xTF32": each FP32 operand `x ≈ hi + lo`, `hi` its nearest TF32 value and `lo` that of `x − hi`,
+and `a · b ≈ a_hi · b_hi + a_hi · b_lo + a_lo · b_hi`): each operand keeps 22 of its 24 significant
+bits and the dropped `a_lo · b_lo` is as small, so a product's error is a few FP32 roundings; the
+kernel writes `d_dot` already split. The unit dimension of the dots is padded to a multiple of
+`_UNIT_ALIGN` (zero keys, zero dots) so that every GEMM operand is 16-byte aligned. The largest
+temporaries are the `[G, Hi, rows, units]` dots and, with 3xTF32, their low parts.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -29,51 +38,62 @@ import triton.language as tl
 _BLOCK_Q = 16  # queries per program
 _BLOCK_N = 64  # units per step
 _WARPS = 4
+_UNIT_ALIGN = 8  # the dots' unit dimension is padded to a multiple (16-byte aligned rows)
+_TF32_HI = -8192  # int32 0xFFFFE000: the sign, exponent and 10 mantissa bits of an FP32
+_TF32_HALF = 4096  # half a TF32 unit in the last place, in the FP32 bit pattern
 
 
 @triton.jit
-def _logits(
-    dots_ptr, dot_offsets, c, ok,
-):  # fmt: skip
-    """(dots [BLOCK_H, BLOCK_Q, BLOCK_N], logits [BLOCK_Q, BLOCK_N]) at `dot_offsets` (masked `ok`)."""
-    dots = tl.load(dots_ptr + dot_offsets, mask=ok, other=0.0)
-    return dots, tl.sum(tl.maximum(dots, 0.0) * c[:, :, None], axis=0)
+def _nearest_tf32(x):
+    """The nearest TF32 value of FP32 `x` (ties away from zero), as FP32."""
+    return ((x.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _coefficient(iw_ptr, q_rows, head, q_ok, scale, HAS_WEIGHTS: tl.constexpr):
+    """[BLOCK_Q] float32 coefficient c_h of index head `head` for the block's queries."""
+    if HAS_WEIGHTS:
+        c = tl.load(iw_ptr + q_rows + head, mask=q_ok, other=0.0).to(tl.float32)
+    else:
+        c = tl.where(q_ok, scale, 0.0)
+    return c
+
+
+@triton.jit
+def _logits(dots_ptr, dot_offsets, stride_dh, iw_ptr, iw_rows, stride_iwh, q_ok, ok, scale,
+            HEADS: tl.constexpr, HAS_WEIGHTS: tl.constexpr):  # fmt: skip
+    """[BLOCK_Q, BLOCK_N] logits `Σ_h c_h · relu(dot_h)` at `dot_offsets` (masked `ok`: 0)."""
+    logits = tl.zeros(dot_offsets.shape, tl.float32)
+    for h in tl.static_range(HEADS):
+        dots = tl.load(dots_ptr + dot_offsets + h * stride_dh, mask=ok, other=0.0)
+        c = _coefficient(iw_ptr, iw_rows, h * stride_iwh, q_ok, scale, HAS_WEIGHTS)
+        logits += tl.maximum(dots, 0.0) * c[:, None]
+    return logits
 
 
 @triton.jit
 def _dense_kl_kernel(
-    dots_ptr, iw_ptr, t_ptr, cs_ptr, ce_ptr, w_ptr, kl_ptr, dw_ptr,
+    dots_ptr, lo_ptr, iw_ptr, t_ptr, cs_ptr, ce_ptr, w_ptr, kl_ptr, dw_ptr,
     stride_dg, stride_dh, stride_dq,
     stride_iwq, stride_iwg, stride_iwh,
     stride_tg, stride_tq,
     stride_dwq, stride_dwg, stride_dwh,
-    rows, units, index_heads, scale,
-    HAS_WEIGHTS: tl.constexpr, BACKWARD: tl.constexpr, WANT_W: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    rows, units, width, scale,
+    HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BACKWARD: tl.constexpr, WANT_W: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     g = tl.program_id(1)
     offs_q = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = offs_q < rows
-    offs_h = tl.arange(0, BLOCK_H)
-    hq_ok = (offs_h < index_heads)[:, None] & q_ok[None, :]  # [BLOCK_H, BLOCK_Q]
     cs = tl.load(cs_ptr + offs_q, mask=q_ok, other=0)
     ce = tl.load(ce_ptr + offs_q, mask=q_ok, other=0)
     weight = tl.load(w_ptr + g * rows + offs_q, mask=q_ok, other=0.0)
     lo = tl.min(tl.where(q_ok & (ce > cs), cs, units))
     hi = tl.max(tl.where(q_ok, ce, 0))
-    if HAS_WEIGHTS:
-        c = tl.load(
-            iw_ptr + offs_q[None, :].to(tl.int64) * stride_iwq + g * stride_iwg
-            + offs_h[:, None] * stride_iwh,
-            mask=hq_ok, other=0.0,
-        ).to(tl.float32)  # fmt: skip
-    else:
-        c = tl.where(hq_ok, scale, 0.0)
-    dot_rows = (
-        g * stride_dg + offs_h[:, None, None] * stride_dh
-        + offs_q[None, :, None].to(tl.int64) * stride_dq
-    )  # fmt: skip
+    iw_rows = offs_q.to(tl.int64) * stride_iwq + g * stride_iwg
+    dot_rows = g * stride_dg + offs_q[:, None].to(tl.int64) * stride_dq  # [BLOCK_Q, 1]
     t_rows = g * stride_tg + offs_q[:, None].to(tl.int64) * stride_tq
     # walk 1: online log-sum-exp of the logits over the candidates, the target's sums
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -84,9 +104,9 @@ def _dense_kl_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         candidate = (offs_n[None, :] >= cs[:, None]) & (offs_n[None, :] < ce[:, None])
-        _, logits = _logits(
-            dots_ptr, dot_rows + offs_n[None, None, :], c,
-            hq_ok[:, :, None] & candidate[None, :, :],
+        logits = _logits(
+            dots_ptr, dot_rows + offs_n[None, :], stride_dh, iw_ptr, iw_rows, stride_iwh, q_ok,
+            candidate, scale, HEADS, HAS_WEIGHTS,
         )  # fmt: skip
         t = tl.load(t_ptr + t_rows + offs_n[None, :], mask=candidate, other=0.0)
         acc_t += t
@@ -103,28 +123,63 @@ def _dense_kl_kernel(
     kl = tl.where(sum_t > 0, kl, 0.0) * weight
     tl.store(kl_ptr + g * rows + offs_q, kl, mask=q_ok)
     if BACKWARD:
-        # walk 2, over every unit of the tile: the dots become d_dot (0 off the candidates)
-        d_w = tl.zeros([BLOCK_H, BLOCK_Q], tl.float32)
-        for n0 in range(0, units, BLOCK_N):
+        # walk 2, over every (padded) unit column: the dots become d_dot (0 off the candidates)
+        offs_h = tl.arange(0, BLOCK_H)
+        d_w = tl.zeros([BLOCK_Q, BLOCK_H], tl.float32)
+        for n0 in range(0, width, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             candidate = (offs_n[None, :] >= cs[:, None]) & (offs_n[None, :] < ce[:, None])
-            inside = hq_ok[:, :, None] & (offs_n < units)[None, None, :]
-            dots, logits = _logits(
-                dots_ptr, dot_rows + offs_n[None, None, :], c, inside & candidate[None, :, :]
-            )
+            inside = q_ok[:, None] & (offs_n < width)[None, :]
+            at = dot_rows + offs_n[None, :]
+            logits = _logits(
+                dots_ptr, at, stride_dh, iw_ptr, iw_rows, stride_iwh, q_ok, candidate, scale,
+                HEADS, HAS_WEIGHTS,
+            )  # fmt: skip
             t = tl.load(t_ptr + t_rows + offs_n[None, :], mask=candidate, other=0.0)
             p = tl.where(candidate, tl.exp(logits - lse[:, None]), 0.0)
             d_logit = (p - t) * weight[:, None]
-            if WANT_W:
-                d_w += tl.sum(tl.maximum(dots, 0.0) * d_logit[None, :, :], axis=2)
-            d_dots = tl.where(dots > 0, d_logit[None, :, :] * c[:, :, None], 0.0)
-            tl.store(dots_ptr + dot_rows + offs_n[None, None, :], d_dots, mask=inside)
+            for h in tl.static_range(HEADS):
+                dots = tl.load(dots_ptr + at + h * stride_dh, mask=candidate, other=0.0)
+                c = _coefficient(iw_ptr, iw_rows, h * stride_iwh, q_ok, scale, HAS_WEIGHTS)
+                if WANT_W:
+                    part = tl.sum(tl.maximum(dots, 0.0) * d_logit, axis=1)
+                    d_w += tl.where(offs_h[None, :] == h, part[:, None], 0.0)
+                d_dots = tl.where(dots > 0, d_logit * c[:, None], 0.0)
+                if SPLIT:  # 3xTF32: the TF32 part in place, the rest beside it
+                    high = _nearest_tf32(d_dots)
+                    tl.store(lo_ptr + at + h * stride_dh, _nearest_tf32(d_dots - high), mask=inside)
+                    d_dots = high
+                tl.store(dots_ptr + at + h * stride_dh, d_dots, mask=inside)
         if WANT_W:
             dw_ptrs = (
-                dw_ptr + offs_q[None, :].to(tl.int64) * stride_dwq + g * stride_dwg
-                + offs_h[:, None] * stride_dwh
+                dw_ptr + offs_q[:, None].to(tl.int64) * stride_dwq + g * stride_dwg
+                + offs_h[None, :] * stride_dwh
             )  # fmt: skip
-            tl.store(dw_ptrs, d_w + tl.load(dw_ptrs, mask=hq_ok, other=0.0), mask=hq_ok)
+            dw_ok = q_ok[:, None] & (offs_h < HEADS)[None, :]
+            tl.store(dw_ptrs, d_w + tl.load(dw_ptrs, mask=dw_ok, other=0.0), mask=dw_ok)
+
+
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """FP32 matmuls in TF32 inside (`torch.set_float32_matmul_precision("high")`), restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _nearest_tf32_values(x: torch.Tensor) -> torch.Tensor:
+    """The nearest TF32 value of every element of FP32 `x` (ties away from zero), as FP32."""
+    return ((x.view(torch.int32) + _TF32_HALF) & _TF32_HI).view(torch.float32)
+
+
+def _tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo), both TF32 values in FP32: `hi` nearest to `x`, `lo` nearest to `x − hi`
+    (`|x − hi − lo| <= 2⁻²² |x|`)."""
+    hi = _nearest_tf32_values(x)
+    return hi, _nearest_tf32_values(x - hi)
 
 
 def dense_tile_loss(
@@ -153,29 +208,77 @@ def dense_tile_loss(
     Returns:
         float32 scalar `Σ row_weight · KL(target || softmax(logits))`.
     """
-    rows, groups, index_heads, _ = index_queries.shape
+    rows, groups, index_heads, dim = index_queries.shape
     units = unit_keys.shape[0]
+    width = -(-units // _UNIT_ALIGN) * _UNIT_ALIGN
     queries = index_queries.float().permute(1, 2, 0, 3).contiguous()  # [G, Hi, rows, Di]
     keys = unit_keys.float()
-    dots = torch.matmul(queries, keys.t())  # [G, Hi, rows, units]
+    if width != units:  # zero keys: zero dots, zero gradients
+        keys = torch.cat((keys, keys.new_zeros(width - units, dim)))
+    split = _three_tf32(queries)
+    dots = _matmul(queries, keys.t(), split)  # [G, Hi, rows, width]
     target, row_weight = target.contiguous(), row_weight.contiguous()
     kl = torch.empty(groups, rows, dtype=torch.float32, device=target.device)
-    # placeholder pointers where HAS_WEIGHTS / WANT_W is off (never read)
+    backward = any(g is not None for g in (d_queries, d_weights, d_keys))
+    low = torch.empty_like(dots) if backward and split else None
+    # placeholder pointers where HAS_WEIGHTS / WANT_W / SPLIT is off (never read)
     weights = index_weights if index_weights is not None else target
     dw = d_weights if d_weights is not None else kl.new_zeros(1, 1, 1)
-    backward = any(g is not None for g in (d_queries, d_weights, d_keys))
     _dense_kl_kernel[(triton.cdiv(rows, _BLOCK_Q), groups)](
-        dots, weights, target, candidate_start, candidate_stop, row_weight, kl, dw,
+        dots, dots if low is None else low, weights, target, candidate_start, candidate_stop,
+        row_weight, kl, dw,
         dots.stride(0), dots.stride(1), dots.stride(2),
         *(weights.stride() if index_weights is not None else (0, 0, 0)),
         target.stride(0), target.stride(1), *dw.stride(),
-        rows, units, index_heads, float(scale),
+        rows, units, width, float(scale),
+        HEADS=index_heads, BLOCK_H=triton.next_power_of_2(index_heads),
         HAS_WEIGHTS=index_weights is not None, BACKWARD=backward,
-        WANT_W=d_weights is not None, BLOCK_Q=_BLOCK_Q,
-        BLOCK_H=triton.next_power_of_2(index_heads), BLOCK_N=_BLOCK_N, num_warps=_WARPS,
+        WANT_W=d_weights is not None, SPLIT=low is not None,
+        BLOCK_Q=_BLOCK_Q, BLOCK_N=_BLOCK_N, num_warps=_WARPS,
     )  # fmt: skip
-    if d_queries is not None:  # dots now hold d_dot
-        d_queries += torch.matmul(dots, keys).permute(2, 0, 1, 3)
+    if d_queries is None and d_keys is None:
+        return kl.sum()
+    flat = dots.view(-1, width)  # d_dot (its TF32 part with 3xTF32)
+    flat_low = None if low is None else low.view(-1, width)
+    if d_queries is not None:
+        part = _matmul_split_left(flat, flat_low, keys)  # [G * Hi * rows, Di]
+        d_queries += part.view(groups, index_heads, rows, dim).permute(2, 0, 1, 3)
     if d_keys is not None:
-        d_keys += dots.view(-1, units).t() @ queries.view(-1, queries.shape[-1])
+        flat_q = queries.view(-1, dim)
+        d_keys += _matmul_split_left(flat.t(), None if flat_low is None else flat_low.t(), flat_q)[
+            :units
+        ]
     return kl.sum()
+
+
+def _three_tf32(tensor: torch.Tensor) -> bool:
+    """Whether the GEMMs on `tensor`'s device run as 3xTF32: CUDA without TF32 allowed."""
+    return tensor.is_cuda and not torch.backends.cuda.matmul.allow_tf32
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
+    """FP32 `a @ b`; with `split` as 3xTF32 (one TF32 GEMM over the concatenated parts)."""
+    if not split:
+        return torch.matmul(a, b)
+    a_hi, a_lo = _tf32_parts(a)
+    b_hi, b_lo = _tf32_parts(b)
+    # a_hi · b_hi + a_hi · b_lo + a_lo · b_hi as one product over a three times longer inner dim
+    left = torch.cat((a_hi, a_hi, a_lo), dim=-1)
+    right = torch.cat((b_hi, b_lo, b_hi), dim=-2)
+    with _tf32_matmuls():
+        return torch.matmul(left, right)
+
+
+def _matmul_split_left(
+    a_hi: torch.Tensor, a_lo: torch.Tensor | None, b: torch.Tensor
+) -> torch.Tensor:
+    """FP32 `(a_hi + a_lo) @ b` for 2D operands; `a_lo` None: plain `a_hi @ b` (TF32 where allowed),
+    else 3xTF32 with `a_hi` already TF32: `a_hi · [b_hi | b_lo]` summed, plus `a_lo · b_hi`."""
+    if a_lo is None:
+        return a_hi @ b
+    b_hi, b_lo = _tf32_parts(b)
+    dim = b.shape[1]
+    with _tf32_matmuls():
+        both = a_hi @ torch.cat((b_hi, b_lo), dim=1)
+        out = both[:, :dim] + both[:, dim:]
+        return out.addmm_(a_lo, b_hi)
