@@ -52,9 +52,12 @@ def layer_pair(backend: str, kind: str, topk: int = 64):
     return fast, ref
 
 
-def run_layer(layer: Step5Attention, hidden: torch.Tensor, positions: torch.Tensor, grad: bool):
+def run_layer(
+    layer: Step5Attention, hidden: torch.Tensor, positions: torch.Tensor | None, grad: bool
+):
+    """The layer's output, input gradient and region ids; positions None: one plain document."""
     config = layer.config
-    ids = torch.zeros(positions.shape, dtype=torch.long, device="cuda")
+    ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device="cuda")
     batch = Step5Batch.create(config, ids, positions)
     seen = []
     if layer.indexer is not None:
@@ -101,10 +104,12 @@ def test_csa_layer_at_the_reference_topk_equals_the_reference_backend_forward(ba
     assert relative_error(out, ref_out) < 1e-2
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("kind", ["swa", "dense"])
-def test_flex_window_and_dense_layers_equal_the_masked_sdpa_reference(kind):
+def test_flex_window_and_dense_layers_equal_the_masked_sdpa_reference(kind, packed):
+    """Packed documents (document mask_mods) and a plain row (arithmetic ones)."""
     fast, ref = layer_pair("auto", kind)
-    hidden, positions = hidden_states(), packed_positions()
+    hidden, positions = hidden_states(), packed_positions() if packed else None
     out, grad, _ = run_layer(fast, hidden, positions, grad=True)
     ref_out, ref_grad, _ = run_layer(ref, hidden, positions, grad=True)
     assert relative_error(out, ref_out) < 1e-2

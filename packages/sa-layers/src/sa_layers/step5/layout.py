@@ -53,8 +53,9 @@ class Step5Batch:
             outside the sequence or padding.
         flex_masks: FlexAttention `BlockMask`s built once per call on CUDA ("swa": window and
             document over the SWA key rows; "dense": causal and document over the global keys, for
-            dense layers and for CSA layers in the indexer's dense warm-up), or empty where the
-            chunked masked-SDPA path runs (CPU, backend "reference").
+            dense layers and for CSA layers in the indexer's dense warm-up; window or causal alone
+            when positions and padding_mask are None), or empty where the chunked masked-SDPA path
+            runs (CPU, backend "reference").
         capability: the compute capability of the batch's CUDA device (None off CUDA), read once
             per call for the Flex kernel options (`sa_kernels.flex_kernel_options`).
     """
@@ -192,7 +193,7 @@ class Step5Batch:
             inside, documents[:, key_rows.clamp(min=0)], torch.full_like(key_rows, -1)
         )
         masks = _flex_masks(
-            config, documents, swa_documents, layout, swa_start, device, dense_warmup and csa
+            config, documents, swa_documents, layout, swa_start, device, dense_warmup and csa, plain
         )
         return cls(
             cp=layout,
@@ -308,10 +309,11 @@ def _sparse_query_count(
 
 
 def _flex_masks(
-    config, documents, swa_documents, layout, swa_start, device, dense_csa
+    config, documents, swa_documents, layout, swa_start, device, dense_csa, plain
 ) -> dict[str, Any]:
     """The SWA and dense FlexAttention block masks of this call (CUDA, backend not "reference");
-    `dense_csa`: the CSA layers attend densely as well."""
+    `dense_csa`: the CSA layers attend densely as well. A `plain` batch (one document per row, no
+    padding: known on the host) gets purely arithmetic mask_mods, which read no document tensor."""
     if device.type != "cuda" or config.attn_backend == "reference":
         return {}
     from torch.nn.attention.flex_attention import create_block_mask
@@ -329,8 +331,18 @@ def _flex_masks(
             distance = q + shift - kv
             return (doc >= 0) & (doc == keys[b, kv]) & (distance >= 0) & (distance < window)
 
+        def plain_window_mod(b, h, q, kv):  # key rows before global row 0 are never visible
+            distance = q + shift - kv
+            return (distance >= 0) & (distance < window) & (kv + swa_start >= 0)
+
         masks["swa"] = create_block_mask(
-            window_mod, batch, None, length, keys.shape[1], device=device, _compile=True
+            plain_window_mod if plain else window_mod,
+            batch,
+            None,
+            length,
+            keys.shape[1],
+            device=device,
+            _compile=True,
         )
     if "dense" in config.layer_types or dense_csa:
         every = documents.contiguous()
@@ -339,7 +351,16 @@ def _flex_masks(
             doc = queries[b, q]
             return (doc >= 0) & (doc == every[b, kv]) & (kv <= q + start)
 
+        def plain_causal_mod(b, h, q, kv):
+            return kv <= q + start
+
         masks["dense"] = create_block_mask(
-            causal_mod, batch, None, length, every.shape[1], device=device, _compile=True
+            plain_causal_mod if plain else causal_mod,
+            batch,
+            None,
+            length,
+            every.shape[1],
+            device=device,
+            _compile=True,
         )
     return masks
