@@ -76,9 +76,8 @@ INTRO = """\
   2·S·H·top-k·(576 + 512) forward, 2.5× that backward. `indexer_score_tile`: 2·Q·G·H·R·D. QSA: the
   causal scoring of the sparse rows. Bandwidths count each tensor read or written once.
 - Every baseline ran in the same process as the row it judges: dense causal SDPA with K/V expanded,
-  block-aligned FlexAttention over the same tiles, cuBLAS GEMMs of the same FLOPs, the raw vendor
-  kernels on the same inputs, torch.compile of the reference, a device-to-device copy, the PyTorch
-  paths.
+  block-aligned Flex over the same tiles, cuBLAS GEMMs of the same FLOPs, the raw vendor kernels on
+  the same inputs, torch.compile of the reference, a device-to-device copy, the PyTorch paths.
 """
 
 

@@ -57,7 +57,7 @@ _SMALL_HEAD_FLEX_OPTIONS = {
 # / G 4 / D 192, bitmap mask_mod) over 128×32 forward tiles, one stage, and 4 warps; 64×128 /
 # 128×64 backward tiles or 3 stages need 295 424 bytes of shared memory (the limit is 232 448).
 # Recorded effect (docs/results/step5_layer.json, bench_step5_layer.py): the Step-5 CSA layer on
-# clustered routes runs 1.49× / 2.74× / 5.18× dense at 32k / 64k / 128k, against 1.18× / 2.16× /
+# clustered routes runs 1.49× / 2.71× / 5.15× dense at 32k / 64k / 128k, against 1.18× / 2.16× /
 # 4.12× with Inductor's defaults.
 _MID_HEAD_FLEX_OPTIONS = {
     "BLOCK_M": 128,

@@ -32,10 +32,12 @@ causal keys of the sparse queries (one when `lse` is given); the matmuls follow
 `torch.backends.cuda.matmul.allow_tf32`. On CUDA the target comes from Triton kernels: one LSE pass
 over the visible keys of every query (skipped when `lse` is given), then per tile one pass over the
 keys of the candidate units that sums `exp(s − lse)` over each group's heads and each unit's keys in
-registers. The indexer side (logits, KL, gradients) then runs per tile three FP32 GEMMs and one
-fused Triton kernel (`dense_logits`), whose largest temporary is the FP32 dots of every index head,
-`index_heads` times the target's size; the automatic tiles merge while the target and the dots stay
-within 160M FP32 elements (640 MiB: a 128 MiB target at 4 index heads).
+registers. The indexer side (logits, KL, gradients) then runs per tile three FP32 GEMMs (3xTF32 on
+the tensor cores under PyTorch's default FP32 matmul precision, TF32 when allowed) and one fused
+Triton kernel (`dense_logits`), whose largest temporary is the FP32 dots of every index head,
+`index_heads` times the target's size (twice that with 3xTF32: the low parts of `d_dot`); the
+automatic tiles merge while the target and the dots stay within 160M FP32 elements (640 MiB: a
+128 MiB target at 4 index heads; 1.1 GiB with the low parts).
 
 Sparse stage (`slots`): everything lives in the slot layout `[groups, queries, K]` of the selection
 (QSA: the route's `token_budget // c` blocks; CSA: the `topk + 1` region ids, the current region
