@@ -57,3 +57,27 @@ def test_every_public_op_takes_backend_keyword_only_defaulting_to_auto():
         parameter = inspect.signature(op).parameters["backend"]
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, op.__name__
         assert parameter.default == "auto", op.__name__
+
+
+def test_cuda_matmuls_use_tf32_follows_both_precision_apis() -> None:
+    """The legacy `set_float32_matmul_precision` and the `fp32_precision` API, read without the
+    mixed-API error `allow_tf32` raises once the newer API has set TF32."""
+    from sa_kernels.backend import cuda_matmuls_use_tf32
+
+    matmul = torch.backends.cuda.matmul
+    saved_legacy = torch.get_float32_matmul_precision()
+    saved = (torch.backends.fp32_precision, matmul.fp32_precision)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not cuda_matmuls_use_tf32()
+        torch.set_float32_matmul_precision("high")
+        assert cuda_matmuls_use_tf32()
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = "tf32"
+        assert cuda_matmuls_use_tf32()
+        matmul.fp32_precision = "none"
+        torch.backends.fp32_precision = "tf32"  # inherited by the CUDA matmuls
+        assert cuda_matmuls_use_tf32()
+    finally:
+        torch.set_float32_matmul_precision(saved_legacy)
+        torch.backends.fp32_precision, matmul.fp32_precision = saved

@@ -283,6 +283,35 @@ def test_window_attention_on_one_rank_equals_a_window_as_large_as_the_sequence_w
     torch.testing.assert_close(swa(x, batch)[0], dense(x, batch)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("world", "window"), [(1, 6), (2, 6), (4, 6), (4, 24)])
+def test_plain_flex_mask_mods_equal_the_document_ones_on_every_shard(world, window):
+    """One document per row, no padding: the arithmetic window / causal mask_mods equal the
+    document ones on every rank, for a halo inside the previous shard (window 6), an all-gathered
+    one (window 24 over 8-row shards) and rank 0's rows before the sequence."""
+    from sa_layers.step5.layout import mask_mods
+
+    config = tiny_config(layer_types=("swa", "swa", "swa", "dense"), sliding_window=window)
+    total, local = 32, 32 // world
+    documents = torch.zeros(2, total, dtype=torch.int64)
+    for rank in range(world):
+        start, halo = rank * local, window - 1
+        swa_start = start if world == 1 else start - halo if halo <= local else max(0, start - halo)
+        rows = torch.arange(swa_start, start + local)
+        swa_documents = torch.where(rows >= 0, 0, -1).expand(2, -1)
+        args = (config, documents, swa_documents, start, local, swa_start, False)
+        plain, packed = mask_mods(*args, True), mask_mods(*args, False)
+        assert plain.keys() == packed.keys() == {"swa", "dense"}
+        for name in plain:
+            (fast, keys), (slow, keys_too) = plain[name], packed[name]
+            assert keys == keys_too
+            b, q, kv = torch.meshgrid(
+                torch.arange(2), torch.arange(local), torch.arange(keys), indexing="ij"
+            )
+            got, want = fast(b, 0, q, kv), slow(b, 0, q, kv)
+            assert torch.equal(got, want), (name, rank)
+            assert want.any() and not want.all()
+
+
 # -- the decoder layer: FP32 residual ---------------------------------------------------------------
 
 

@@ -171,6 +171,28 @@ def test_dense_tile_loss_and_grads_equal_autograd_of_the_explicit_kl(
     _check_dense_tile_kernels(weighted, heads, dim, "cpu", 1e-5)
 
 
+def test_tf32_matmuls_restore_the_precision_setting_as_it_was() -> None:
+    """Inside, CUDA FP32 matmuls may use TF32; after, the setting is the caller's again, "none"
+    (inherit) included, so that a later global `torch.backends.fp32_precision` still applies."""
+    from sa_kernels.backend import cuda_matmuls_use_tf32
+    from sa_routing.distillation.dense_logits import _tf32_matmuls
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        for setting in ("none", "ieee"):
+            matmul.fp32_precision = setting
+            with _tf32_matmuls():
+                assert cuda_matmuls_use_tf32()
+            assert matmul.fp32_precision == setting and not cuda_matmuls_use_tf32()
+        matmul.fp32_precision = "none"
+        with pytest.raises(RuntimeError, match="inside"), _tf32_matmuls():
+            raise RuntimeError("inside")
+        assert matmul.fp32_precision == "none"
+    finally:
+        matmul.fp32_precision = saved
+
+
 def test_tf32_parts_keep_22_bits_of_every_fp32() -> None:
     """hi and lo are TF32 values (10 mantissa bits); hi is the nearest to x, lo to the rest, and
     x − hi − lo is within 2⁻²² |x|."""
@@ -183,6 +205,25 @@ def test_tf32_parts_keep_22_bits_of_every_fp32() -> None:
     assert ((x - hi).abs() <= x.abs() * 2.0**-11).all()  # nearest: half a TF32 ulp
     assert ((x - hi - lo).abs() <= x.abs() * 2.0**-22).all()
     assert (x - hi).abs().max() > 0 and lo.abs().max() > 0
+    # NaN (CUDA's canonical 0x7FFFFFFF and its negative), ±inf, zeros, a value that rounds up past
+    # the largest TF32 value, and a subnormal
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32)
+    special = torch.cat(
+        [
+            bits.view(torch.float32),
+            torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38]),
+            torch.tensor([1e-40]),
+        ]
+    )
+    hi, lo = _tf32_parts(special)
+    assert hi[:3].isnan().all() and torch.equal(hi[3:5], special[3:5])
+    assert torch.equal(lo[:5], torch.zeros(5)) and torch.equal(hi[5:7], special[5:7])
+    near_max = special[7:9]
+    assert hi[7:9].isfinite().all() and lo[7:9].isfinite().all()
+    assert (((near_max - hi[7:9]) - lo[7:9]).abs() <= near_max.abs() * 2.0**-22).all()
+    assert hi[9:].isfinite().all() and lo[9:].isfinite().all()  # subnormal: no bound claimed
+    assert torch.all(hi[3:].view(torch.int32) & 0x1FFF == 0)
+    assert torch.all(lo.view(torch.int32) & 0x1FFF == 0)
 
 
 @pytest.mark.gpu

@@ -15,8 +15,11 @@ tiles, 2 stages and 8 warps. Every tile divides the 128-wide route tiles, as Fle
 BlockMask block size must be a multiple of the kernel's). Arithmetic mask_mods (the causal one of
 `block_mask`, the Step-5 layers' window and document masks) keep torch's defaults for head_dim <=
 128, which is what a block-aligned causal Flex mask compiles to, and take the same 128 < head_dim
-<= 192 options: on the H200 the Step-5 SWA window-and-document mask at 64k tokens, D 192, runs
-fwd+bwd faster with them than with Inductor's defaults (`docs/results/step5_layer.json`).
+<= 192 options, measured on the Step-5 masks only: in `bench_step5_layer.py` on the H200 (64k
+tokens, D 192, fwd+bwd), Flex's own sliding-window mask takes 46.5 ms with them
+(docs/results/step5_layer.json, commit b4424f6) against 67.7 ms with Inductor's defaults (the same
+benchmark at commit cbe7d4d). `sparse_gqa_attention`'s causal route masks at that head dim take
+them unmeasured.
 """
 
 import functools

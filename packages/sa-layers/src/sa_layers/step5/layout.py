@@ -311,17 +311,41 @@ def _sparse_query_count(
 def _flex_masks(
     config, documents, swa_documents, layout, swa_start, device, dense_csa, plain
 ) -> dict[str, Any]:
-    """The SWA and dense FlexAttention block masks of this call (CUDA, backend not "reference");
-    `dense_csa`: the CSA layers attend densely as well. A `plain` batch (one document per row, no
-    padding: known on the host) gets purely arithmetic mask_mods, which read no document tensor."""
+    """The SWA and dense FlexAttention block masks of this call (CUDA, backend not "reference") from
+    `mask_mods`."""
     if device.type != "cuda" or config.attn_backend == "reference":
         return {}
     from torch.nn.attention.flex_attention import create_block_mask
 
-    batch, length = documents.shape[0], layout.local_length
-    start, window = layout.local_start, config.sliding_window
-    queries = documents[:, start : start + length].contiguous()
-    masks: dict[str, Any] = {}
+    mods = mask_mods(
+        config, documents, swa_documents, layout.local_start, layout.local_length, swa_start,
+        dense_csa, plain,
+    )  # fmt: skip
+    return {
+        name: create_block_mask(
+            mod, documents.shape[0], None, layout.local_length, keys, device=device, _compile=True
+        )
+        for name, (mod, keys) in mods.items()
+    }
+
+
+def mask_mods(
+    config, documents, swa_documents, local_start, local_length, swa_start, dense_csa, plain
+) -> dict[str, tuple[Any, int]]:
+    """{"swa" / "dense": (Flex mask_mod, key rows)} of a call: the window over the SWA key rows
+    (global rows `swa_start …`, negative ones never visible) and the causal mask over the global
+    keys, each within the query's document; "dense" only with dense layers or `dense_csa` (the CSA
+    layers attend densely as well). A `plain` batch (one document per row, no padding: known on the
+    host) gets purely arithmetic mask_mods, which read no document tensor.
+
+    Args:
+        documents: int64 [B, S], the document of every global row (−1 padding).
+        swa_documents: int64 [B, swa_key_rows], the document of every SWA key row (−1 outside).
+        local_start, local_length: the shard's first global row and its rows.
+    """
+    start, window = local_start, config.sliding_window
+    queries = documents[:, start : start + local_length].contiguous()
+    mods: dict[str, tuple[Any, int]] = {}
     if "swa" in config.layer_types:
         keys = swa_documents.contiguous()
         shift = start - swa_start
@@ -335,15 +359,7 @@ def _flex_masks(
             distance = q + shift - kv
             return (distance >= 0) & (distance < window) & (kv + swa_start >= 0)
 
-        masks["swa"] = create_block_mask(
-            plain_window_mod if plain else window_mod,
-            batch,
-            None,
-            length,
-            keys.shape[1],
-            device=device,
-            _compile=True,
-        )
+        mods["swa"] = (plain_window_mod if plain else window_mod, keys.shape[1])
     if "dense" in config.layer_types or dense_csa:
         every = documents.contiguous()
 
@@ -354,13 +370,5 @@ def _flex_masks(
         def plain_causal_mod(b, h, q, kv):
             return kv <= q + start
 
-        masks["dense"] = create_block_mask(
-            plain_causal_mod if plain else causal_mod,
-            batch,
-            None,
-            length,
-            every.shape[1],
-            device=device,
-            _compile=True,
-        )
-    return masks
+        mods["dense"] = (plain_causal_mod if plain else causal_mod, every.shape[1])
+    return mods

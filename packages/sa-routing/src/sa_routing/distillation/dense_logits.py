@@ -16,8 +16,9 @@ elementwise passes over `[G, rows, units]` tensors. Here, per tile:
 3. the index queries' gradient `d_dot · keys` and the unit keys' gradient `Σ_{g, h, q} d_dotᵀ · q_h`,
    two more GEMMs.
 
-Precision: under `torch.backends.cuda.matmul.allow_tf32` (`torch.set_float32_matmul_precision`
-"high" or "medium") the GEMMs run in TF32, as any FP32 matmul of PyTorch does. Otherwise ("highest",
+Precision: where PyTorch's CUDA FP32 matmuls may use TF32 (`torch.backends.cuda.matmul.fp32_precision`
+"tf32", e.g. `torch.set_float32_matmul_precision("high")`) the GEMMs run once in TF32, as any FP32
+matmul of PyTorch does. Otherwise ("highest",
 PyTorch's default) CUDA GEMMs run as three TF32 products on the tensor cores instead of FP32 FMA
 ("3xTF32": each FP32 operand `x ≈ hi + lo`, `hi` its nearest TF32 value and `lo` that of `x − hi`,
 and `a · b ≈ a_hi · b_hi + a_hi · b_lo + a_lo · b_hi`): each operand keeps 22 of its 24 significant
@@ -35,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sa_kernels.backend import cuda_matmuls_use_tf32
+
 _BLOCK_Q = 16  # queries per program
 _BLOCK_N = 64  # units per step
 _WARPS = 4
@@ -45,8 +48,15 @@ _TF32_HALF = 4096  # half a TF32 unit in the last place, in the FP32 bit pattern
 
 @triton.jit
 def _nearest_tf32(x):
-    """The nearest TF32 value of FP32 `x` (ties away from zero), as FP32."""
-    return ((x.to(tl.int32, bitcast=True) + 4096) & -8192).to(tl.float32, bitcast=True)
+    """The nearest TF32 value of finite FP32 `x` (ties away from zero; the truncation where rounding
+    up would overflow), as FP32; inf and NaN stay as they are."""
+    bits = x.to(tl.int32, bitcast=True)
+    nearest = ((bits + 4096) & -8192).to(tl.float32, bitcast=True)
+    truncated = (bits & -8192).to(tl.float32, bitcast=True)
+    finite = tl.abs(x) < float("inf")
+    return tl.where(
+        finite & (tl.abs(nearest) < float("inf")), nearest, tl.where(finite, truncated, x)
+    )
 
 
 @triton.jit
@@ -147,7 +157,8 @@ def _dense_kl_kernel(
                 d_dots = tl.where(dots > 0, d_logit * c[:, None], 0.0)
                 if SPLIT:  # 3xTF32: the TF32 part in place, the rest beside it
                     high = _nearest_tf32(d_dots)
-                    tl.store(lo_ptr + at + h * stride_dh, _nearest_tf32(d_dots - high), mask=inside)
+                    low = tl.where(tl.abs(d_dots) < float("inf"), _nearest_tf32(d_dots - high), 0.0)
+                    tl.store(lo_ptr + at + h * stride_dh, low, mask=inside)
                     d_dots = high
                 tl.store(dots_ptr + at + h * stride_dh, d_dots, mask=inside)
         if WANT_W:
@@ -161,25 +172,34 @@ def _dense_kl_kernel(
 
 @contextlib.contextmanager
 def _tf32_matmuls():
-    """FP32 matmuls in TF32 inside (`torch.set_float32_matmul_precision("high")`), restored after."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    """CUDA FP32 matmuls in TF32 inside (`torch.backends.cuda.matmul.fp32_precision = "tf32"`), the
+    setting restored after (on torch releases without that API, `allow_tf32`). The setting is the
+    process's: another thread's CUDA FP32 matmuls issued meanwhile run in TF32 as well."""
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    previous = getattr(matmul, name)
+    setattr(matmul, name, "tf32" if name == "fp32_precision" else True)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(previous)
+        setattr(matmul, name, previous)
 
 
 def _nearest_tf32_values(x: torch.Tensor) -> torch.Tensor:
-    """The nearest TF32 value of every element of FP32 `x` (ties away from zero), as FP32."""
-    return ((x.view(torch.int32) + _TF32_HALF) & _TF32_HI).view(torch.float32)
+    """The nearest TF32 value of every finite element of FP32 `x` (ties away from zero; the TF32
+    truncation where rounding up would overflow), as FP32; inf and NaN stay as they are."""
+    bits = x.view(torch.int32)
+    nearest = ((bits + _TF32_HALF) & _TF32_HI).view(torch.float32)
+    truncated = (bits & _TF32_HI).view(torch.float32)
+    finite = x.isfinite()
+    return torch.where(finite & nearest.isfinite(), nearest, torch.where(finite, truncated, x))
 
 
 def _tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo), both TF32 values in FP32: `hi` nearest to `x`, `lo` nearest to `x − hi`
-    (`|x − hi − lo| <= 2⁻²² |x|`)."""
+    (`|x − hi − lo| <= 2⁻²² |x|` for normal `x`); inf and NaN in `hi`, 0 in `lo`."""
     hi = _nearest_tf32_values(x)
-    return hi, _nearest_tf32_values(x - hi)
+    return hi, torch.where(x.isfinite(), _nearest_tf32_values(x - hi), 0.0)
 
 
 def dense_tile_loss(
@@ -220,7 +240,8 @@ def dense_tile_loss(
     target, row_weight = target.contiguous(), row_weight.contiguous()
     kl = torch.empty(groups, rows, dtype=torch.float32, device=target.device)
     backward = any(g is not None for g in (d_queries, d_weights, d_keys))
-    low = torch.empty_like(dots) if backward and split else None
+    wanted = d_queries is not None or d_keys is not None  # the GEMMs that read d_dot
+    low = torch.empty_like(dots) if wanted and split else None
     # placeholder pointers where HAS_WEIGHTS / WANT_W / SPLIT is off (never read)
     weights = index_weights if index_weights is not None else target
     dw = d_weights if d_weights is not None else kl.new_zeros(1, 1, 1)
@@ -253,7 +274,7 @@ def dense_tile_loss(
 
 def _three_tf32(tensor: torch.Tensor) -> bool:
     """Whether the GEMMs on `tensor`'s device run as 3xTF32: CUDA without TF32 allowed."""
-    return tensor.is_cuda and not torch.backends.cuda.matmul.allow_tf32
+    return tensor.is_cuda and not cuda_matmuls_use_tf32()
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import triton_interpret
+from sa_kernels.backend import cuda_matmuls_use_tf32, triton_interpret
 from sa_kernels.triton_dot import fp32_dot
 
 LOG2E = 1.4426950408889634
@@ -351,7 +351,7 @@ def _head_split(head_dim: int) -> tuple[int, int, bool]:
 def _precision(tensor: torch.Tensor) -> tuple[bool, bool]:
     """(IEEE, UPCAST) for `fp32_dot`."""
     wide = tensor.dtype == torch.float32
-    ieee = wide and (tensor.device.type != "cuda" or not torch.backends.cuda.matmul.allow_tf32)
+    ieee = wide and (tensor.device.type != "cuda" or not cuda_matmuls_use_tf32())
     return ieee, (not wide) and triton_interpret()
 
 
