@@ -16,14 +16,14 @@ elementwise passes over `[G, rows, units]` tensors. Here, per tile:
 3. the index queries' gradient `d_dot · keys` and the unit keys' gradient `Σ_{g, h, q} d_dotᵀ · q_h`,
    two more GEMMs.
 
-Precision: where PyTorch's CUDA FP32 matmuls may use TF32 (`torch.backends.cuda.matmul.fp32_precision`
-"tf32", e.g. `torch.set_float32_matmul_precision("high")`) the GEMMs run once in TF32, as any FP32
-matmul of PyTorch does. Otherwise ("highest",
-PyTorch's default) CUDA GEMMs run as three TF32 products on the tensor cores instead of FP32 FMA
-("3xTF32": each FP32 operand `x ≈ hi + lo`, `hi` its nearest TF32 value and `lo` that of `x − hi`,
-and `a · b ≈ a_hi · b_hi + a_hi · b_lo + a_lo · b_hi`): each operand keeps 22 of its 24 significant
-bits and the dropped `a_lo · b_lo` is as small, so a product's error is a few FP32 roundings; the
-kernel writes `d_dot` already split. The unit dimension of the dots is padded to a multiple of
+Precision: where PyTorch's CUDA FP32 matmuls may use TF32
+(`torch.backends.cuda.matmul.fp32_precision` "tf32", e.g. after
+`torch.set_float32_matmul_precision("high")`) the GEMMs run once in TF32, as any FP32 matmul of
+PyTorch does. Otherwise ("highest", PyTorch's default) CUDA GEMMs run as three TF32 products on the
+tensor cores instead of FP32 FMA ("3xTF32": each FP32 operand `x ≈ hi + lo`, `hi` its nearest TF32
+value and `lo` that of `x − hi`, and `a · b ≈ a_hi · b_hi + a_hi · b_lo + a_lo · b_hi`): each operand
+keeps 22 of its 24 significant bits and the dropped `a_lo · b_lo` is as small, so a product's error
+is a few FP32 roundings; the kernel writes `d_dot` already split. The unit dimension of the dots is padded to a multiple of
 `_UNIT_ALIGN` (zero keys, zero dots) so that every GEMM operand is 16-byte aligned. The largest
 temporaries are the `[G, Hi, rows, units]` dots and, with 3xTF32, their low parts.
 """
