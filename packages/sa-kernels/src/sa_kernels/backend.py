@@ -32,11 +32,8 @@ def cuda_matmuls_use_tf32() -> bool:
     """Whether PyTorch's FP32 CUDA matmuls may run in TF32: `torch.backends.cuda.matmul.fp32_precision`
     is "tf32" (set directly, inherited from `torch.backends.fp32_precision`, or by
     `torch.set_float32_matmul_precision("high" / "medium")`). Read through the `fp32_precision` API,
-    which, unlike `allow_tf32`, answers whichever of the two APIs set it; `allow_tf32` on torch
-    releases without it."""
-    matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", None)
-    return bool(matmul.allow_tf32) if precision is None else precision == "tf32"
+    which, unlike `allow_tf32`, answers whichever of the two APIs set it."""
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 DeviceLike = torch.device | torch.Tensor | str | int | None

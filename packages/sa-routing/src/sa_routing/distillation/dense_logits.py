@@ -173,16 +173,15 @@ def _dense_kl_kernel(
 @contextlib.contextmanager
 def _tf32_matmuls():
     """CUDA FP32 matmuls in TF32 inside (`torch.backends.cuda.matmul.fp32_precision = "tf32"`), the
-    setting restored after (on torch releases without that API, `allow_tf32`). The setting is the
-    process's: another thread's CUDA FP32 matmuls issued meanwhile run in TF32 as well."""
+    setting restored after. The setting is the process's: another thread's CUDA FP32 matmuls issued
+    meanwhile run in TF32 as well."""
     matmul = torch.backends.cuda.matmul
-    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
-    previous = getattr(matmul, name)
-    setattr(matmul, name, "tf32" if name == "fp32_precision" else True)
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
     try:
         yield
     finally:
-        setattr(matmul, name, previous)
+        matmul.fp32_precision = previous
 
 
 def _nearest_tf32_values(x: torch.Tensor) -> torch.Tensor:

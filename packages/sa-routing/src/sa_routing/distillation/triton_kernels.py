@@ -43,7 +43,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ROWS = 128  # rows (query, head pairs) of one Q · Kᵀ tile
 _KEYS = 64  # keys of one Q · Kᵀ tile
-_MASS_STAGES = 2  # software-pipeline stages of `_dense_mass_kernel`
 
 
 def _mass_rows(chunk: int) -> int:
@@ -477,7 +476,7 @@ def dense_mass(
             HC=chunk, BLOCK_Q=block_q, NU=nu, UNIT=unit,
             D_HI=d_hi, D_LO=d_lo, HAS_LO=has_lo, ACCUMULATE=g in written,
             IEEE=ieee, UPCAST=upcast,
-            num_warps=8 if block_q * chunk >= 128 else 4, num_stages=_MASS_STAGES,
+            num_warps=8 if block_q * chunk >= 128 else 4, num_stages=2,
         )  # fmt: skip
         written.add(g)
     return out
