@@ -29,11 +29,13 @@ import triton.language as tl
 from sa_kernels.triton_dot import fp32_dot
 
 _BLOCK_K = 32  # slots per step of the dot form, and the most of the broadcast form
-# elements of one step's [heads, slots, index_dim] product (broadcast form)
-_PRODUCT_ELEMENTS = 8192
-# warps per program by form (DOT): the broadcast form's are the fastest on the H200 at the Step-5
-# geometry; the dot form's grads hold q, keys and both gradients' FP32 tiles in registers
-_WARPS = {False: {"logits": 2, "grads": 4}, True: {"logits": 4, "grads": 8}}
+# elements of one step's [heads, slots, index_dim] product (broadcast form), by kernel
+_PRODUCT_ELEMENTS = {"logits": 8192, "grads": 4096}
+# warps per program by form (DOT). The broadcast form's programs are latency-bound gathers from L2:
+# one warp, so that more programs share an SM, is the fastest on the H200 at 32k tokens (CSA:
+# logits 16.5 ms and grads 34 ms against 29 and 56 with 2 and 4 warps; QSA: 2.7 and 5.7 ms against
+# 5.8 and 10). The dot form's grads hold q, keys and both gradients' FP32 tiles in registers.
+_WARPS = {False: {"logits": 1, "grads": 1}, True: {"logits": 4, "grads": 8}}
 
 
 @triton.jit
@@ -175,8 +177,8 @@ def _slot_grads_kernel(
         tl.store(dw_rows, d_w, mask=offs_h < index_heads)
 
 
-def _launch(index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count):
-    """Grid, shared arguments and constexprs of both kernels for one tile.
+def _launch(index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count, kernel):
+    """Grid, shared arguments and constexprs of `kernel` ("logits" or "grads") for one tile.
 
     index_queries [rows, G, Hi, Di], index_weights [rows, G, Hi] or None, unit_keys [U', Di],
     slot_units int32 / slot_valid bool [G, rows, K]; unit ids read as at most count − 1."""
@@ -198,7 +200,7 @@ def _launch(index_queries, index_weights, unit_keys, slot_units, slot_valid, sca
     if dot:  # the dots' least M, N and K
         block_h, block_di, block_k = max(16, block_h), max(16, block_di), _BLOCK_K
     else:
-        block_k = min(_BLOCK_K, max(1, _PRODUCT_ELEMENTS // (block_h * block_di)))
+        block_k = min(_BLOCK_K, max(1, _PRODUCT_ELEMENTS[kernel] // (block_h * block_di)))
     meta = {
         "HAS_WEIGHTS": index_weights is not None,
         "BLOCK_H": block_h,
@@ -226,7 +228,7 @@ def slot_logits(
     `scale`); unit_keys: [U', Di] floating; slot_units: int32 [G, rows, K], ids above count − 1
     read as count − 1 (count ≤ U', as the PyTorch path); slot_valid: bool [G, rows, K]."""
     grid, pointers, args, tail, meta = _launch(
-        index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count
+        index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count, "logits"
     )
     out = torch.empty(slot_units.shape, dtype=torch.float32, device=slot_units.device)
     _slot_logits_kernel[grid](
@@ -255,7 +257,7 @@ def slot_grads(
     d_keys [U', Di] float32 (added to); None for a gradient not wanted (d_weights also when
     index_weights is None). Other arguments as `slot_logits`."""
     grid, pointers, args, tail, meta = _launch(
-        index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count
+        index_queries, index_weights, unit_keys, slot_units, slot_valid, scale, count, "grads"
     )
     d_logits = d_logits.contiguous()
     dq = d_queries if d_queries is not None else d_logits.new_zeros(1, 1, 1, 1)
