@@ -7,6 +7,7 @@ import torch
 from distillation_cases import assert_matches_oracle, seeded
 from step5_cases import document_positions
 
+from sa_kernels.backend import triton_interpret
 from sa_routing import (
     csa_indexer_distillation_loss,
     qsa_indexer_distillation_loss,
@@ -224,6 +225,28 @@ def test_tf32_parts_keep_22_bits_of_every_fp32() -> None:
     assert hi[9:].isfinite().all() and lo[9:].isfinite().all()  # subnormal: no bound claimed
     assert torch.all(hi[3:].view(torch.int32) & 0x1FFF == 0)
     assert torch.all(lo.view(torch.int32) & 0x1FFF == 0)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret()), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+def test_split_rows_kernel_writes_the_tf32_parts_bit_for_bit() -> None:
+    """`_split_rows`' kernel writes exactly the parts of `_tf32_parts`, side by side in the asked
+    order, on a ragged block (rows and columns off the kernel's block) with NaN, ±inf, zeros and
+    values that round past the largest TF32."""
+    from sa_routing.distillation.dense_logits import _HI, _LO, _split_rows, _tf32_parts
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(37, 70, generator=seeded(5)) * torch.logspace(-30, 30, 70)
+    special = torch.tensor([0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    x[3, :3] = special
+    x[5, :6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38])
+    x = x.to(device)
+    hi, lo = _tf32_parts(x.cpu())
+    for parts in ((_HI, _HI, _LO), (_HI, _LO, _HI), (_HI, _LO)):
+        got = _split_rows(x, parts).cpu().view(torch.int32)
+        want = torch.cat([(hi, lo)[part] for part in parts], dim=1).view(torch.int32)
+        assert torch.equal(got, want), parts
 
 
 @pytest.mark.gpu

@@ -23,9 +23,11 @@ PyTorch does. Otherwise ("highest", PyTorch's default) CUDA GEMMs run as three T
 tensor cores instead of FP32 FMA ("3xTF32": each FP32 operand `x ≈ hi + lo`, `hi` its nearest TF32
 value and `lo` that of `x − hi`, and `a · b ≈ a_hi · b_hi + a_hi · b_lo + a_lo · b_hi`): each operand
 keeps 22 of its 24 significant bits and the dropped `a_lo · b_lo` is as small, so a product's error
-is a few FP32 roundings; the kernel writes `d_dot` already split. The unit dimension of the dots is padded to a multiple of
-`_UNIT_ALIGN` (zero keys, zero dots) so that every GEMM operand is 16-byte aligned. The largest
-temporaries are the `[G, Hi, rows, units]` dots and, with 3xTF32, their low parts.
+is a few FP32 roundings. One Triton pass writes an operand's parts side by side, in the order its
+GEMM reads them (`_split_rows`); the KL kernel writes `d_dot` already split. The unit dimension of
+the dots is padded to a multiple of `_UNIT_ALIGN` (zero keys, zero dots) so that every GEMM operand
+is 16-byte aligned. The largest temporaries are the `[G, Hi, rows, units]` dots and, with 3xTF32,
+their low parts.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import cuda_matmuls_use_tf32
+from sa_kernels.backend import cuda_matmuls_use_tf32, triton_interpret
 
 _BLOCK_Q = 16  # queries per program
 _BLOCK_N = 64  # units per step
@@ -44,6 +46,8 @@ _WARPS = 4
 _UNIT_ALIGN = 8  # the dots' unit dimension is padded to a multiple (16-byte aligned rows)
 _TF32_HI = -8192  # int32 0xFFFFE000: the sign, exponent and 10 mantissa bits of an FP32
 _TF32_HALF = 4096  # half a TF32 unit in the last place, in the FP32 bit pattern
+_HI, _LO, _NONE = 0, 1, -1  # the parts `_split_rows` writes
+_SPLIT_ROWS, _SPLIT_COLS = 32, 64  # one program's block of `_split_rows_kernel`
 
 
 @triton.jit
@@ -57,6 +61,34 @@ def _nearest_tf32(x):
     return tl.where(
         finite & (tl.abs(nearest) < float("inf")), nearest, tl.where(finite, truncated, x)
     )
+
+
+@triton.jit
+def _store_part(out, hi, lo, mask, PART: tl.constexpr):
+    if PART == 0:
+        tl.store(out, hi, mask=mask)
+    elif PART == 1:
+        tl.store(out, lo, mask=mask)
+
+
+@triton.jit
+def _split_rows_kernel(
+    x_ptr, out_ptr, rows, cols, stride_x, stride_o,
+    PART0: tl.constexpr, PART1: tl.constexpr, PART2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One block of `out [rows, parts · cols]`: part j of x's TF32 split (`PARTj` 0: hi, 1: lo,
+    -1: none) in columns `j · cols …`, from one read of x."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    hi = _nearest_tf32(x)
+    lo = tl.where(tl.abs(x) < float("inf"), _nearest_tf32(x - hi), 0.0)
+    out = out_ptr + r[:, None] * stride_o + c[None, :]
+    _store_part(out, hi, lo, mask, PART0)
+    _store_part(out + cols, hi, lo, mask, PART1)
+    _store_part(out + 2 * cols, hi, lo, mask, PART2)
 
 
 @triton.jit
@@ -201,6 +233,25 @@ def _tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, torch.where(x.isfinite(), _nearest_tf32_values(x - hi), 0.0)
 
 
+def _split_rows(x: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
+    """FP32 [rows, len(parts) · cols]: the TF32 parts of FP32 `x [rows, cols]` (last-dim stride 1)
+    side by side, part j `_HI` or `_LO` of `_tf32_parts(x)`. On CUDA (and under the Triton
+    interpreter) one kernel reads x once and writes every part; otherwise `_tf32_parts` and a
+    concatenation."""
+    rows, cols = x.shape
+    if not (x.is_cuda or triton_interpret()):
+        split = _tf32_parts(x)
+        return torch.cat([split[part] for part in parts], dim=1)
+    out = torch.empty(rows, len(parts) * cols, dtype=torch.float32, device=x.device)
+    padded = tuple(parts) + (_NONE,) * (3 - len(parts))
+    grid = (triton.cdiv(rows, _SPLIT_ROWS), triton.cdiv(cols, _SPLIT_COLS))
+    _split_rows_kernel[grid](
+        x, out, rows, cols, x.stride(0), out.stride(0), *padded,
+        BLOCK_R=_SPLIT_ROWS, BLOCK_C=_SPLIT_COLS,
+    )  # fmt: skip
+    return out
+
+
 def dense_tile_loss(
     index_queries: torch.Tensor,
     index_weights: torch.Tensor | None,
@@ -235,7 +286,7 @@ def dense_tile_loss(
     if width != units:  # zero keys: zero dots, zero gradients
         keys = torch.cat((keys, keys.new_zeros(width - units, dim)))
     split = _three_tf32(queries)
-    dots = _matmul(queries, keys.t(), split)  # [G, Hi, rows, width]
+    dots = _matmul_keys(queries, keys, split)  # [G, Hi, rows, width]
     target, row_weight = target.contiguous(), row_weight.contiguous()
     kl = torch.empty(groups, rows, dtype=torch.float32, device=target.device)
     backward = any(g is not None for g in (d_queries, d_weights, d_keys))
@@ -276,17 +327,16 @@ def _three_tf32(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and not cuda_matmuls_use_tf32()
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, split: bool) -> torch.Tensor:
-    """FP32 `a @ b`; with `split` as 3xTF32 (one TF32 GEMM over the concatenated parts)."""
+def _matmul_keys(a: torch.Tensor, keys: torch.Tensor, split: bool) -> torch.Tensor:
+    """FP32 `a @ keysᵀ` (a [..., Di] contiguous, keys [units, Di]); with `split` as 3xTF32: one TF32
+    GEMM over the parts side by side, `[a_hi | a_hi | a_lo] · [k_hi | k_lo | k_hi]ᵀ`."""
     if not split:
-        return torch.matmul(a, b)
-    a_hi, a_lo = _tf32_parts(a)
-    b_hi, b_lo = _tf32_parts(b)
-    # a_hi · b_hi + a_hi · b_lo + a_lo · b_hi as one product over a three times longer inner dim
-    left = torch.cat((a_hi, a_hi, a_lo), dim=-1)
-    right = torch.cat((b_hi, b_lo, b_hi), dim=-2)
+        return torch.matmul(a, keys.t())
+    dim = a.shape[-1]
+    left = _split_rows(a.reshape(-1, dim), (_HI, _HI, _LO)).view(*a.shape[:-1], 3 * dim)
+    right = _split_rows(keys.contiguous(), (_HI, _LO, _HI))
     with _tf32_matmuls():
-        return torch.matmul(left, right)
+        return torch.matmul(left, right.t())
 
 
 def _matmul_split_left(
@@ -296,9 +346,9 @@ def _matmul_split_left(
     else 3xTF32 with `a_hi` already TF32: `a_hi · [b_hi | b_lo]` summed, plus `a_lo · b_hi`."""
     if a_lo is None:
         return a_hi @ b
-    b_hi, b_lo = _tf32_parts(b)
     dim = b.shape[1]
+    parts = _split_rows(b.contiguous(), (_HI, _LO))  # [b_hi | b_lo]
     with _tf32_matmuls():
-        both = a_hi @ torch.cat((b_hi, b_lo), dim=1)
+        both = a_hi @ parts
         out = both[:, :dim] + both[:, dim:]
-        return out.addmm_(a_lo, b_hi)
+        return out.addmm_(a_lo, parts[:, :dim])
