@@ -243,6 +243,8 @@ def _split_rows(x: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
         split = _tf32_parts(x)
         return torch.cat([split[part] for part in parts], dim=1)
     out = torch.empty(rows, len(parts) * cols, dtype=torch.float32, device=x.device)
+    if out.numel() == 0:
+        return out
     padded = tuple(parts) + (_NONE,) * (3 - len(parts))
     grid = (triton.cdiv(rows, _SPLIT_ROWS), triton.cdiv(cols, _SPLIT_COLS))
     _split_rows_kernel[grid](
