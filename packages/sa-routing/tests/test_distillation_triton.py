@@ -232,8 +232,8 @@ def test_tf32_parts_keep_22_bits_of_every_fp32() -> None:
 )
 def test_split_rows_kernel_writes_the_tf32_parts_bit_for_bit() -> None:
     """`_split_rows`' kernel writes exactly the parts of `_tf32_parts`, side by side in the asked
-    order, on a ragged block (rows and columns off the kernel's block) with NaN, ±inf, zeros and
-    values that round past the largest TF32."""
+    order, on a ragged, row-strided block (rows and columns off the kernel's block) with NaN, ±inf,
+    zeros, subnormals and values that round past the largest TF32."""
     from sa_routing.distillation.dense_logits import _HI, _LO, _split_rows, _tf32_parts
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,7 +241,9 @@ def test_split_rows_kernel_writes_the_tf32_parts_bit_for_bit() -> None:
     special = torch.tensor([0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32).view(torch.float32)
     x[3, :3] = special
     x[5, :6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38])
-    x = x.to(device)
+    x[7, :2] = torch.tensor([1e-40, -1e-45])  # subnormals
+    # a row-strided view: the kernel reads rows at their stride, not at the column count
+    x = torch.cat((torch.randn(37, 10, generator=seeded(6)), x), dim=1).to(device)[:, 10:]
     hi, lo = _tf32_parts(x.cpu())
     for parts in ((_HI, _HI, _LO), (_HI, _LO, _HI), (_HI, _LO)):
         got = _split_rows(x, parts).cpu().view(torch.int32)

@@ -65,6 +65,7 @@ def _nearest_tf32(x):
 
 @triton.jit
 def _store_part(out, hi, lo, mask, PART: tl.constexpr):
+    """Stores `hi` (PART 0, `_HI`), `lo` (1, `_LO`) or nothing (-1, `_NONE`) at `out`."""
     if PART == 0:
         tl.store(out, hi, mask=mask)
     elif PART == 1:
@@ -234,10 +235,11 @@ def _tf32_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _split_rows(x: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
-    """FP32 [rows, len(parts) · cols]: the TF32 parts of FP32 `x [rows, cols]` (last-dim stride 1)
-    side by side, part j `_HI` or `_LO` of `_tf32_parts(x)`. On CUDA (and under the Triton
-    interpreter) one kernel reads x once and writes every part; otherwise `_tf32_parts` and a
+    """FP32 [rows, len(parts) · cols]: the TF32 parts of FP32 `x [rows, cols]` side by side, part j
+    `_HI` or `_LO` of `_tf32_parts(x)`. On CUDA (and under the Triton interpreter) one kernel reads
+    x once and writes every part; otherwise (CPU tests that force the split) `_tf32_parts` and a
     concatenation."""
+    x = x if x.stride(1) == 1 else x.contiguous()
     rows, cols = x.shape
     if not (x.is_cuda or triton_interpret()):
         split = _tf32_parts(x)
@@ -336,7 +338,7 @@ def _matmul_keys(a: torch.Tensor, keys: torch.Tensor, split: bool) -> torch.Tens
         return torch.matmul(a, keys.t())
     dim = a.shape[-1]
     left = _split_rows(a.reshape(-1, dim), (_HI, _HI, _LO)).view(*a.shape[:-1], 3 * dim)
-    right = _split_rows(keys.contiguous(), (_HI, _LO, _HI))
+    right = _split_rows(keys, (_HI, _LO, _HI))
     with _tf32_matmuls():
         return torch.matmul(left, right.t())
 
@@ -349,7 +351,7 @@ def _matmul_split_left(
     if a_lo is None:
         return a_hi @ b
     dim = b.shape[1]
-    parts = _split_rows(b.contiguous(), (_HI, _LO))  # [b_hi | b_lo]
+    parts = _split_rows(b, (_HI, _LO))  # [b_hi | b_lo]
     with _tf32_matmuls():
         both = a_hi @ parts
         out = both[:, :dim] + both[:, dim:]

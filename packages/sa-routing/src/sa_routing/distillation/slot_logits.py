@@ -29,12 +29,13 @@ import triton.language as tl
 from sa_kernels.triton_dot import fp32_dot
 
 _BLOCK_K = 32  # slots per step of the dot form, and the most of the broadcast form
-# elements of one step's [heads, slots, index_dim] product (broadcast form), by kernel
+# elements of one step's [heads, slots, index_dim] product (broadcast form), by kernel, and warps per
+# program by form (DOT). The broadcast form's programs are latency-bound gathers from L2: one warp,
+# so that more programs share an SM, and these products (of 2048–32768) are the fastest on the H200
+# at 32k tokens (CSA: logits 16.5 ms and grads 34 ms, 29 and 56 with 2 and 4 warps and 8192 each;
+# QSA: 2.7 and 5.7 ms, 5.8 and 10 with those; grads with 8192 take 32 and 8.0 ms). The dot form's
+# grads hold q, keys and both gradients' FP32 tiles in registers.
 _PRODUCT_ELEMENTS = {"logits": 8192, "grads": 4096}
-# warps per program by form (DOT). The broadcast form's programs are latency-bound gathers from L2:
-# one warp, so that more programs share an SM, is the fastest on the H200 at 32k tokens (CSA:
-# logits 16.5 ms and grads 34 ms against 29 and 56 with 2 and 4 warps; QSA: 2.7 and 5.7 ms against
-# 5.8 and 10). The dot form's grads hold q, keys and both gradients' FP32 tiles in registers.
 _WARPS = {False: {"logits": 1, "grads": 1}, True: {"logits": 4, "grads": 8}}
 
 

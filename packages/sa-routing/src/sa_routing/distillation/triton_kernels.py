@@ -47,9 +47,9 @@ _SPARSE_KEYS = 128  # keys of one step of `_sparse_kernel`
 
 
 def _sparse_launch(head_dim: int) -> dict:
-    """Warps and stages of `_sparse_kernel`: the fastest on the H200 in `bench_indexer_distillation`
-    at 32k tokens (128 keys a step; CSA's D 192: 39 ms against 56 with 4 warps, 2 stages and 64
-    keys; QSA's D 256: 11 ms against 16)."""
+    """Warps and stages of `_sparse_kernel`, with 128 keys a step: the fastest of 64–256 keys, 2–8
+    warps and 1–3 stages on the H200 at the `bench_indexer_distillation` geometries, 32k tokens (CSA,
+    D 192: 39 ms, 56 with 64 keys, 4 warps and 2 stages; QSA, D 256: 11 ms, 16 with those)."""
     return (
         {"num_warps": 2, "num_stages": 1} if head_dim <= 192 else {"num_warps": 4, "num_stages": 2}
     )
