@@ -64,6 +64,14 @@ def _nearest_tf32(x):
 
 
 @triton.jit
+def _tf32_split(x):
+    """(hi, lo) of FP32 `x` as `_tf32_parts`: hi its nearest TF32 value, lo that of `x − hi` (0
+    where x is inf or NaN)."""
+    hi = _nearest_tf32(x)
+    return hi, tl.where(tl.abs(x) < float("inf"), _nearest_tf32(x - hi), 0.0)
+
+
+@triton.jit
 def _store_part(out, hi, lo, mask, PART: tl.constexpr):
     """Stores `hi` (PART 0, `_HI`), `lo` (1, `_LO`) or nothing (-1, `_NONE`) at `out`."""
     if PART == 0:
@@ -84,8 +92,7 @@ def _split_rows_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-    hi = _nearest_tf32(x)
-    lo = tl.where(tl.abs(x) < float("inf"), _nearest_tf32(x - hi), 0.0)
+    hi, lo = _tf32_split(x)
     out = out_ptr + r[:, None] * stride_o + c[None, :]
     _store_part(out, hi, lo, mask, PART0)
     _store_part(out + cols, hi, lo, mask, PART1)
@@ -189,10 +196,8 @@ def _dense_kl_kernel(
                     d_w += tl.where(offs_h[None, :] == h, part[:, None], 0.0)
                 d_dots = tl.where(dots > 0, d_logit * c[:, None], 0.0)
                 if SPLIT:  # 3xTF32: the TF32 part in place, the rest beside it
-                    high = _nearest_tf32(d_dots)
-                    low = tl.where(tl.abs(d_dots) < float("inf"), _nearest_tf32(d_dots - high), 0.0)
+                    d_dots, low = _tf32_split(d_dots)
                     tl.store(lo_ptr + at + h * stride_dh, low, mask=inside)
-                    d_dots = high
                 tl.store(dots_ptr + at + h * stride_dh, d_dots, mask=inside)
         if WANT_W:
             dw_ptrs = (

@@ -47,7 +47,7 @@ _SPARSE_KEYS = 128  # keys of one step of `_sparse_kernel`
 
 
 def _sparse_launch(head_dim: int) -> dict:
-    """Warps and stages of `_sparse_kernel`, with 128 keys a step: the fastest of 64–256 keys, 2–8
+    """Warps and stages of `_sparse_kernel`, with 128 keys a step: the fastest of 32–256 keys, 2–8
     warps and 1–3 stages on the H200 at the `bench_indexer_distillation` geometries, 32k tokens (CSA,
     D 192: 39 ms, 56 with 64 keys, 4 warps and 2 stages; QSA, D 256: 11 ms, 16 with those)."""
     return (
