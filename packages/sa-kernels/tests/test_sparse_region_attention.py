@@ -762,6 +762,35 @@ def test_cuda_gather_and_flex_match_the_oracle(kind, query_start, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 192], ids=["D128", "D192"])
+def test_cuda_gather_region_mass_matches_the_oracle(head_dim):
+    """The persistent mass launch at 4096 keys (CSA rows, CP shard from 1536, H16/4, bf16): the
+    oracle's mass, the plain launch's output bit for bit, every seeing row's mass summing to its
+    group's 4 heads."""
+    kv_length, heads, groups, start = 4096, 16, 4, 1536
+    ids, sources, _ = _cuda_case("csa", kv_length, groups, start, 1)
+    q, k, v, _ = _inputs(
+        1, kv_length - start, heads, groups, head_dim, kv_length, torch.bfloat16, "cuda"
+    )
+    q, k, v = (t.detach() for t in (q, k, v))
+    _, routes, want = sparse_region_attention_reference(
+        q.float(), k.float(), v.float(), ids, sources, start, return_mass=True
+    )
+    out, mass = sparse_region_attention(
+        q, k, v, ids, sources, query_start=start, backend="gather", return_mass=True
+    )
+    plain = sparse_region_attention(q, k, v, ids, sources, query_start=start, backend="gather")
+    assert torch.equal(out, plain) and torch.equal(mass.region_ids, routes)
+    assert _relative_error(mass.mass, want) < 1e-2
+    totals = mass.mass.sum(dim=-1)
+    seeing = totals > 0
+    assert seeing.float().mean() > 0.99
+    torch.testing.assert_close(
+        totals[seeing], torch.full_like(totals[seeing], 4.0), rtol=1e-3, atol=0
+    )
+
+
+@pytest.mark.gpu
 def test_cuda_compiled_flex_serves_new_routes_without_recompiling():
     kv_length, heads, groups = 2048, 8, 2
     q, k, v, _ = _inputs(1, kv_length, heads, groups, 128, kv_length, torch.bfloat16, "cuda")
