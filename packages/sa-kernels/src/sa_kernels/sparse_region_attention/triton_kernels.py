@@ -51,6 +51,7 @@ from .key_major import fits as key_major_fits
 from .key_major import region_dkdv_key_major
 
 MAX_HEAD_DIM = 256
+_FINAL_SLOTS = 64  # route slots per step of the mass launch's closing sum
 
 
 @triton.jit
@@ -97,7 +98,8 @@ def _region_fwd_row(
     kv_heads, kv_length, regions, slots, query_start, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
-    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, SLOT_N: tl.constexpr,
+    FINAL_SLOTS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Output and LSE of query `q_idx`'s heads of KV head `bh` (batch · kv_heads + h); with MASS also
     the group's mass on each route slot, through `scratch` (this program's own `[BLOCK_G,
@@ -129,7 +131,7 @@ def _region_fwd_row(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     VIRTUAL: tl.constexpr = BLOCK_W // BLOCK_RS  # virtual slots per step
-    offs_v = tl.arange(0, VIRTUAL)
+    offs_n = tl.arange(0, SLOT_N)
     for start in range(0, stop, VIRTUAL):
         ids, w_mask = _region_keys(
             route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
@@ -145,18 +147,23 @@ def _region_fwd_row(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = fp32_dot(p.to(v.dtype), v, IEEE, UPCAST)
+        p_v = p.to(v.dtype)
+        pv = fp32_dot(p_v, v, IEEE, UPCAST)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         if MASS:  # key w of the step is offset w % BLOCK_RS of virtual slot start + w // BLOCK_RS
-            part = tl.sum(tl.reshape(p, [BLOCK_G, VIRTUAL, BLOCK_RS]), axis=2)
+            # the per-slot sums as one more small dot (P · membership), in the layout of P · V:
+            # no shuffle of P between threads
+            member = tl.where(offs_w[:, None] // BLOCK_RS == offs_n[None, :], 1.0, 0.0)
+            member = member.to(v.dtype)
+            part = fp32_dot(p_v, member, IEEE, UPCAST)  # [BLOCK_G, SLOT_N]
             log_part = tl.where(
                 part > 0, tl.log2(tl.where(part > 0, part, 1.0)) + m_safe[:, None], float("-inf")
             )
             tl.store(
-                scratch + offs_g[:, None] * SCRATCH_V + (start + offs_v)[None, :],
+                scratch + offs_g[:, None] * SCRATCH_V + (start + offs_n)[None, :],
                 log_part,
-                mask=(start + offs_v < stop)[None, :],
+                mask=((offs_n < VIRTUAL) & (start + offs_n < stop))[None, :],
             )
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -172,10 +179,10 @@ def _region_fwd_row(
     if MASS:  # slot j: Σ_heads Σ_chunks exp2(log_part − lse), 0 from the row's count on
         tl.debug_barrier()  # the loop's scratch stores are visible to every thread of the program
         mass_base = mass_ptr + b64 * stride_mb + h64 * stride_mh + q64 * stride_mq
-        for first in range(0, slots, VIRTUAL):
-            slot = first + offs_v
+        for first in range(0, slots, FINAL_SLOTS):
+            slot = first + tl.arange(0, FINAL_SLOTS)
             live = g_mask[:, None] & (slot < count)[None, :]
-            mass = tl.zeros([VIRTUAL], tl.float32)
+            mass = tl.zeros([FINAL_SLOTS], tl.float32)
             for c in tl.static_range(CHUNKS):
                 log_part = tl.load(
                     scratch + offs_g[:, None] * SCRATCH_V + (slot * CHUNKS + c)[None, :],
@@ -201,7 +208,8 @@ def _region_fwd_kernel(
     queries, kv_heads, rows, kv_length, regions, slots, query_start, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
-    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, SLOT_N: tl.constexpr,
+    FINAL_SLOTS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Without MASS, one program per row: grid (queries, batch · kv_heads). With MASS, a persistent
     grid (programs,): program i takes rows i, i + programs, … of the same order (query fastest,
@@ -220,7 +228,7 @@ def _region_fwd_kernel(
                 stride_lb, stride_lh, stride_mb, stride_mh, stride_mq,
                 kv_heads, kv_length, regions, slots, query_start, scale_log2,
                 GROUP, HEAD_DIM, REGION_SIZE, CHUNKS, BLOCK_G, BLOCK_D, BLOCK_W, BLOCK_RS,
-                MASS, SCRATCH_V, IEEE, UPCAST,
+                MASS, SCRATCH_V, SLOT_N, FINAL_SLOTS, IEEE, UPCAST,
             )  # fmt: skip
     else:
         _region_fwd_row(
@@ -232,7 +240,7 @@ def _region_fwd_kernel(
             stride_lb, stride_lh, stride_mb, stride_mh, stride_mq,
             kv_heads, kv_length, regions, slots, query_start, scale_log2,
             GROUP, HEAD_DIM, REGION_SIZE, CHUNKS, BLOCK_G, BLOCK_D, BLOCK_W, BLOCK_RS,
-            MASS, SCRATCH_V, IEEE, UPCAST,
+            MASS, SCRATCH_V, SLOT_N, FINAL_SLOTS, IEEE, UPCAST,
         )  # fmt: skip
 
 
@@ -453,7 +461,8 @@ def region_attention_forward(
         queries, kv_heads, rows, key.shape[1], regions, slots, query_start, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        MASS=mass, SCRATCH_V=scratch_v, **dot_flags(query),
+        MASS=mass, SCRATCH_V=scratch_v, SLOT_N=max(16, config["BLOCK_W"] // block_rs),
+        FINAL_SLOTS=_FINAL_SLOTS, **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse, masses if mass else None
