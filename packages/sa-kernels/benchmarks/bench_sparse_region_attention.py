@@ -137,14 +137,11 @@ def _sweep_gather(table, shape, mask, sources, inputs, grad, pairs, which="both"
     q, k, v = (t.detach() for t in inputs)
     scale = HEAD_DIM**-0.5
     routes, counts = mask.routes, mask.counts
-    out, lse, _ = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
+    out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
     grads = region_attention_backward(q, k, v, out, grad, lse, routes, counts, sources, 0, scale)
 
     def forward(config):
-        out_lse = region_attention_forward(
-            q, k, v, routes, counts, sources, 0, scale, _config=config
-        )
-        return out_lse[:2]
+        return region_attention_forward(q, k, v, routes, counts, sources, 0, scale, _config=config)
 
     def backward(config):
         return region_attention_backward(
@@ -177,7 +174,7 @@ def _breakdown(table, shape, mask, sources, inputs, grad, pairs):
     q, k, v = (t.detach() for t in inputs)
     scale = HEAD_DIM**-0.5
     routes, counts = mask.routes, mask.counts
-    out, lse, _ = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
+    out, lse = region_attention_forward(q, k, v, routes, counts, sources, 0, scale)
     selections = int(counts.sum())
     row_bytes = HEAD_DIM * q.element_size()
     read = {

@@ -67,9 +67,9 @@ def _case(batch, queries, kv_length, region_size, groups, width, query_start, se
     return ids, sources
 
 
-def _dense_probs(q, k, ids, sources, query_start, scale=None):
-    """Independent formula: float64 [B, H, Q, S] softmax probabilities under a membership mask built
-    with Python loops over the regions' key rows, and the region of every key row [B, S] (-1: none)."""
+def _dense_attention(q, k, v, ids, sources, query_start, scale=None):
+    """Independent formula: float64 dense scores under a [B, H, Q, S] membership mask built with
+    Python loops over the regions' key rows."""
     batch, queries, heads, head_dim = q.shape
     kv_length, groups = k.shape[1], k.shape[2]
     regions = sources.shape[1]
@@ -89,34 +89,10 @@ def _dense_probs(q, k, ids, sources, query_start, scale=None):
     mask = mask.repeat_interleave(heads // groups, dim=1)
     scale = head_dim**-0.5 if scale is None else scale
     kk = k.double().repeat_interleave(heads // groups, dim=2)
+    vv = v.double().repeat_interleave(heads // groups, dim=2)
     scores = torch.einsum("bqhd,bshd->bhqs", q.double(), kk) * scale
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0), owner
-
-
-def _dense_attention(q, k, v, ids, sources, query_start, scale=None):
-    probs, _ = _dense_probs(q, k, ids, sources, query_start, scale)
-    vv = v.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqs,bshd->bqhd", probs, vv)
-
-
-def _dense_region_mass(q, k, ids, sources, query_start, scale=None):
-    """float64 [B, G, Q, regions]: the dense probabilities summed over each KV group's heads and
-    each region's key rows."""
-    probs, owner = _dense_probs(q, k, ids, sources, query_start, scale)
-    batch, heads, queries, _ = probs.shape
-    groups, regions = k.shape[2], sources.shape[1]
-    per_group = probs.view(batch, groups, heads // groups, queries, -1).sum(dim=2)
-    out = torch.zeros(batch, groups, queries, regions + 1, dtype=torch.float64)
-    index = torch.where(owner >= 0, owner, regions).view(batch, 1, 1, -1)
-    out.scatter_add_(-1, index.expand_as(per_group), per_group)
-    return out[..., :regions]
-
-
-def _scattered(mass, regions):
-    """A `RegionMass` as float64 [B, G, Q, regions] (its sentinel slots dropped)."""
-    out = torch.zeros(*mass.mass.shape[:3], regions + 1, dtype=torch.float64)
-    out.scatter_add_(-1, mass.region_ids.long(), mass.mass.double())
-    return out[..., :regions]
 
 
 # ---------------------------------------------------------------- the oracle
@@ -189,28 +165,6 @@ def test_reference_rows_without_visible_keys_give_zero_output_and_zero_gradients
     assert grad_q.abs().max() == 0 and grad_k.abs().max() == 0
 
 
-def test_reference_region_mass_matches_dense_probabilities():
-    """`return_mass`: each canonical route slot holds its region's attention mass (summed over the
-    KV group's heads), from shuffled ids with repeats, unused slots and an empty row."""
-    q, k, v, _ = _inputs(2, 19, 6, 2, 24, 37, torch.float64)
-    ids, sources = _case(2, 19, 37, 4, 2, 7, 18, 1, (2,))
-    regions = sources.shape[1]
-    out, lse, mass = sparse_region_attention(
-        q, k, v, ids, sources, query_start=18, backend="reference", return_lse=True,
-        return_mass=True,
-    )  # fmt: skip
-    want = _dense_region_mass(q, k, ids, sources, 18)
-    torch.testing.assert_close(_scattered(mass, regions), want, rtol=1e-6, atol=1e-7)
-    ascending = mass.region_ids[..., 1:] >= mass.region_ids[..., :-1]
-    assert mass.region_ids.dtype == torch.int32 and bool(ascending.all())
-    assert mass.mass.dtype == torch.float32 and mass.mass[..., 2, :].abs().max() == 0
-    assert bool((mass.mass[mass.region_ids == regions] == 0).all())
-    nonempty = torch.isfinite(lse).all(dim=-1)  # [B, Q]: every row but the empty one sees keys
-    totals = mass.mass.sum(dim=-1).transpose(1, 2)[nonempty]  # [rows, G]: the group's 3 heads
-    torch.testing.assert_close(totals, torch.full_like(totals, 3.0))
-    torch.testing.assert_close(out, sparse_region_attention_reference(q, k, v, ids, sources, 18))
-
-
 # ---------------------------------------------------------------- gather kernels (interpreter)
 
 GATHER_CASES = [
@@ -275,7 +229,7 @@ def test_gather_long_regions_and_region_passes_match_reference(region_size, bloc
     args = [t.detach() for t in (q, k, v)]
     forward = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 1}
     backward = {**forward, "KEY_SPLIT": key_split}
-    out, lse, _ = region_attention_forward(
+    out, lse = region_attention_forward(
         *args, mask.routes, mask.counts, sources, 58, 0.25, _config=forward
     )
     grad = torch.randn(out.shape, generator=gen)
@@ -290,62 +244,6 @@ def test_gather_long_regions_and_region_passes_match_reference(region_size, bloc
             got, want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"d{n}: {m}"
         )
     assert torch.isinf(lse[:, :, 3]).all() and torch.isfinite(lse[:, :, :2]).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(
-    ("batch", "queries", "heads", "groups", "region_size", "block_w", "start"),
-    [(2, 6, 4, 2, 4, 16, 34), (1, 7, 3, 1, 20, 16, 33), (1, 9, 2, 2, 3, 32, 31)],
-    ids=["B2-H4/2-R4", "hpg3-R20-two-chunks", "hpg1-R3"],
-)
-def test_gather_region_mass_matches_reference(
-    batch, queries, heads, groups, region_size, block_w, start, dtype
-):
-    """The persistent mass launch (4 programs under the interpreter, so each runs several rows)
-    gives the oracle's mass and the plain launch's output and LSE bit for bit; an empty row's mass
-    is 0."""
-    kv_length = start + queries
-    q, k, v, _ = _inputs(batch, queries, heads, groups, 16, kv_length, dtype, seed=region_size)
-    ids, sources = _case(batch, queries, kv_length, region_size, groups, 6, start, 5, (1,))
-    mask = build_region_block_mask(
-        ids, sources, kv_length, heads, query_start=start, build_flex=False
-    )
-    args = [t.detach() for t in (q, k, v)]
-    config = {"BLOCK_W": block_w, "num_warps": 4, "num_stages": 1}
-    plain = region_attention_forward(
-        *args, mask.routes, mask.counts, sources, start, 0.3, _config=config
-    )
-    out, lse, mass = region_attention_forward(
-        *args, mask.routes, mask.counts, sources, start, 0.3, mass=True, _config=config
-    )
-    assert plain[2] is None and torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
-    ref = sparse_region_attention_reference(
-        *(t.double() for t in args), ids, sources, start, 0.3, return_mass=True
-    )
-    assert torch.equal(ref[1], mask.routes)
-    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-2}
-    torch.testing.assert_close(mass, ref[2], **tol)
-    assert mass[:, :, 1].abs().max() == 0 and mass.abs().amax(dim=(0, 1, 3)).count_nonzero() > 3
-
-
-def test_gather_backend_returns_region_mass_beside_lse():
-    q, k, v, gen = _inputs(1, 6, 4, 2, 24, 40, torch.float32, seed=3)
-    ids, sources = _case(1, 6, 40, 4, 2, 6, 34, 3, (2,))
-    out, lse, mass = sparse_region_attention(
-        q, k, v, ids, sources, query_start=34, backend="gather", return_lse=True, return_mass=True
-    )
-    only_out = sparse_region_attention(q, k, v, ids, sources, query_start=34, backend="gather")
-    ref = sparse_region_attention(
-        q, k, v, ids, sources, query_start=34, backend="reference", return_mass=True
-    )
-    torch.testing.assert_close(out, only_out, rtol=0, atol=0)
-    assert torch.equal(mass.region_ids, ref[1].region_ids) and not lse.requires_grad
-    torch.testing.assert_close(mass.mass, ref[1].mass, rtol=1e-5, atol=1e-6)
-    grad = torch.randn(out.shape, generator=gen)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(only_out, (q, k, v), grad)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -366,7 +264,7 @@ def test_key_major_dkdv_matches_reference(batch, heads, groups, region_size, chu
         ids, sources, kv_length, heads, query_start=start, build_flex=False
     )
     args = [t.detach() for t in (q, k, v)]
-    out, lse, _ = region_attention_forward(*args, mask.routes, mask.counts, sources, start, 0.25)
+    out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, start, 0.25)
     grad = torch.randn(out.shape, generator=gen).to(dtype)
     config = {
         "BLOCK_W": 16,
@@ -762,35 +660,6 @@ def test_cuda_gather_and_flex_match_the_oracle(kind, query_start, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [128, 192], ids=["D128", "D192"])
-def test_cuda_gather_region_mass_matches_the_oracle(head_dim):
-    """The persistent mass launch at 4096 keys (CSA rows, CP shard from 1536, H16/4, bf16): the
-    oracle's mass, the plain launch's output bit for bit, every seeing row's mass summing to its
-    group's 4 heads."""
-    kv_length, heads, groups, start = 4096, 16, 4, 1536
-    ids, sources, _ = _cuda_case("csa", kv_length, groups, start, 1)
-    q, k, v, _ = _inputs(
-        1, kv_length - start, heads, groups, head_dim, kv_length, torch.bfloat16, "cuda"
-    )
-    q, k, v = (t.detach() for t in (q, k, v))
-    _, routes, want = sparse_region_attention_reference(
-        q.float(), k.float(), v.float(), ids, sources, start, return_mass=True
-    )
-    out, mass = sparse_region_attention(
-        q, k, v, ids, sources, query_start=start, backend="gather", return_mass=True
-    )
-    plain = sparse_region_attention(q, k, v, ids, sources, query_start=start, backend="gather")
-    assert torch.equal(out, plain) and torch.equal(mass.region_ids, routes)
-    assert _relative_error(mass.mass, want) < 1e-2
-    totals = mass.mass.sum(dim=-1)
-    seeing = totals > 0
-    assert seeing.float().mean() > 0.99
-    torch.testing.assert_close(
-        totals[seeing], torch.full_like(totals[seeing], 4.0), rtol=1e-3, atol=0
-    )
-
-
-@pytest.mark.gpu
 def test_cuda_compiled_flex_serves_new_routes_without_recompiling():
     kv_length, heads, groups = 2048, 8, 2
     q, k, v, _ = _inputs(1, kv_length, heads, groups, 128, kv_length, torch.bfloat16, "cuda")
@@ -824,7 +693,7 @@ def test_cuda_gather_backward_variants_match_the_oracle(variant):
     ref_grads = torch.autograd.grad(ref, (qf, kf, vf), grad.float())
     args = [t.detach() for t in (q, k, v)]
     scale = 192**-0.5
-    out, lse, _ = region_attention_forward(*args, mask.routes, mask.counts, sources, 0, scale)
+    out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, 0, scale)
     config = {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, **variant}
     grads = region_attention_backward(
         *args, out, grad, lse, mask.routes, mask.counts, sources, 0, scale, _config=config

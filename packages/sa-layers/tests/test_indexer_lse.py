@@ -1,13 +1,10 @@
-"""The routed layers hand what the main attention's forward computed to the indexer's distillation
-loss: in the sparse stage the LSE the sparse attention returned (`return_lse=True`), or for Step-5 on
-the gather and reference backends the region mass itself (`return_mass=True`, a `RegionMass` as the
-selection); the loss's value and gradients equal those of the loss that computes its own target
-from the selection (`lse=None`)."""
+"""The routed layers hand the main attention's log-sum-exp to the indexer's distillation loss: in the
+sparse stage the loss receives the LSE the sparse attention returned (`return_lse=True`) and its
+value and gradients equal those of the loss that computes its own LSE (`lse=None`)."""
 
 import pytest
 import torch
 
-from sa_kernels.sparse_region_attention import RegionMass
 from sa_layers import testing
 from sa_layers.qsa import attention as qsa_attention
 from sa_layers.step5 import attention as step5_attention
@@ -24,26 +21,19 @@ def token_ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
 
 
 def spy_on_loss(monkeypatch, module, name: str) -> list[dict]:
-    """Wrap `module.name` (the layer's distillation loss): each call records the `lse` and
-    `RegionMass` it got, its loss and the loss of the same call with `lse=None` (and a `RegionMass`
-    replaced by its region ids), and the gradients of both with respect to the indexer's queries
-    (the third argument)."""
+    """Wrap `module.name` (the layer's distillation loss): each call records the `lse` it got, its
+    loss and the loss of the same call with `lse=None`, and the gradients of both with respect to
+    the indexer's queries (the third argument)."""
     real = getattr(module, name)
     calls: list[dict] = []
 
     def spy(*args, **kwargs):
         got = real(*args, **kwargs)
-        mass = kwargs.get("selection")
-        mass = mass if isinstance(mass, RegionMass) else None
-        own_kwargs = {**kwargs, "lse": None}
-        if mass is not None:
-            own_kwargs["selection"] = mass.region_ids
-        own = real(*args, **own_kwargs)
+        own = real(*args, **{**kwargs, "lse": None})
         index_queries = args[2]
         calls.append(
             {
                 "lse": kwargs.get("lse"),
-                "mass": mass,
                 "loss": got.detach(),
                 "own": own.detach(),
                 "grad": torch.autograd.grad(got, index_queries, retain_graph=True)[0],
@@ -57,21 +47,13 @@ def spy_on_loss(monkeypatch, module, name: str) -> list[dict]:
     return calls
 
 
-def assert_wired(calls: list[dict], layers: int, atol: float = 1e-6, given: str = "lse") -> None:
-    """Each call got the attention's `given` ("lse" or "mass") and not the other, and its loss
-    equals the loss's own target pass."""
+def assert_wired(calls: list[dict], layers: int, atol: float = 1e-6) -> None:
     assert len(calls) == layers
     for call in calls:
-        lse, mass = call["lse"], call["mass"]
-        if given == "lse":
-            assert lse is not None, "the loss must get the attention's LSE"
-            assert mass is None and lse.shape == call["shape"] and lse.dtype == torch.float32
-            assert not lse.requires_grad
-        else:
-            assert mass is not None, "the loss must get the attention's region mass"
-            assert lse is None and mass.mass.dtype == torch.float32
-            assert mass.mass.shape[:3] == (call["shape"][0], 2, call["shape"][1])
-            assert not mass.mass.requires_grad
+        lse = call["lse"]
+        assert lse is not None, "the sparse stage must hand the attention's LSE to the loss"
+        assert lse.shape == call["shape"] and lse.dtype == torch.float32
+        assert not lse.requires_grad
         assert call["loss"].item() > 0
         torch.testing.assert_close(call["loss"], call["own"], rtol=1e-5, atol=atol)
         torch.testing.assert_close(call["grad"], call["own_grad"], rtol=1e-4, atol=atol)
@@ -110,22 +92,16 @@ def step5_run(model, stage: str):
 
 
 @pytest.mark.parametrize("backend", ["reference", "gather"])
-def test_step5_sparse_stage_loss_gets_the_attention_region_mass_and_equals_its_own_pass(
+def test_step5_sparse_stage_loss_gets_the_attention_lse_and_equals_its_own_lse_pass(
     monkeypatch, backend
 ):
     calls = spy_on_loss(monkeypatch, step5_attention, "csa_indexer_distillation_loss")
     model = tiny_step5_model(layer_types=("swa", "csa", "swa", "csa"), attn_backend=backend)
     out = step5_run(model, "sparse")
-    assert_wired(calls, layers=2, given="mass")
+    assert_wired(calls, layers=2)
     padding = testing.packed_positions(DOCUMENTS, SEQUENCE)[1]
-    # padding queries select no region: no mass; every other token's group heads sum to 1 each
-    totals = calls[0]["mass"].mass.sum(dim=-1)  # [B, G, L]
-    assert torch.equal((totals == 0).all(dim=1), padding)
-    heads_per_group = model.config.num_attention_heads // model.config.num_attention_groups
-    torch.testing.assert_close(
-        totals.transpose(1, 2)[~padding],
-        torch.full_like(totals.transpose(1, 2)[~padding], float(heads_per_group)),
-    )
+    # padding queries select no region: their LSE is −inf; every token sees its own region
+    assert torch.equal(torch.isneginf(calls[0]["lse"]).any(-1), padding)
     assert out.indexer_loss.item() > 0
 
 
@@ -147,7 +123,7 @@ def test_cuda_step5_dense_warmup_loss_gets_the_flex_lse_and_equals_its_own_lse_p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gather", "flex"])
-def test_cuda_sparse_stage_losses_get_the_attention_lse_or_region_mass(monkeypatch, backend):
+def test_cuda_sparse_stage_losses_get_the_attention_lse(monkeypatch, backend):
     qsa_calls = spy_on_loss(monkeypatch, qsa_attention, "qsa_indexer_distillation_loss")
     model = tiny_qsa_model(attn_backend=backend).cuda()
     model.set_indexer_training("sparse")
@@ -156,4 +132,4 @@ def test_cuda_sparse_stage_losses_get_the_attention_lse_or_region_mass(monkeypat
     csa_calls = spy_on_loss(monkeypatch, step5_attention, "csa_indexer_distillation_loss")
     model = tiny_step5_model(layer_types=("swa", "csa", "swa", "csa"), attn_backend=backend)
     step5_run(model.cuda(), "sparse")
-    assert_wired(csa_calls, layers=2, atol=1e-4, given="mass" if backend == "gather" else "lse")
+    assert_wired(csa_calls, layers=2, atol=1e-4)

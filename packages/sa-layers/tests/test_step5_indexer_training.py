@@ -119,11 +119,11 @@ def test_layer_loss_equals_a_direct_distillation_call_on_the_layer_tensors(stage
     indexer = layer.indexer
     query, key, value = layer.project(hidden, batch)
     keys, logits = indexer.training_keys(hidden, positions)
-    selection = None  # the sparse stage hands the loss the sparse attention's region mass
+    lse = None  # the sparse stage hands the loss the sparse attention's log-sum-exp
     if stage == "sparse":
-        _, selection = sparse_region_attention(
+        _, lse = sparse_region_attention(
             query, key, value, seen[0].region_ids, metadata.region_sources,
-            softmax_scale=layer.scale, backend="reference", return_mass=True,
+            softmax_scale=layer.scale, backend="reference", return_lse=True,
         )  # fmt: skip
     total = csa_indexer_distillation_loss(
         query,
@@ -132,7 +132,8 @@ def test_layer_loss_equals_a_direct_distillation_call_on_the_layer_tensors(stage
         indexer.training_summaries(keys, logits, metadata),
         metadata,
         mode=stage,
-        selection=selection,
+        selection=seen[0] if stage == "sparse" else None,
+        lse=lse,
         reduction="sum",
     )
     direct = total / metadata.sparse_queries.sum()  # one rank: the mean over its sparse queries

@@ -17,13 +17,10 @@ Rows per (geometry, length), each with the same loss computing the LSE itself in
                    timing); goal ≤ 1.5× that forward and peak extra memory ≤ 2 GiB at 32k / 128k.
                    On the CPU (no flash LSE) the loss computes the LSE.
     sparse, attention LSE   loss forward + backward over the routes with `lse=` from the layer's
-                   sparse attention forward (`return_lse=True`), as the QSA layer (and the Step-5
-                   layer on Flex) calls it, vs that forward (`sa_kernels.sparse_gqa_attention` on
-                   the token routes / `sa_kernels.sparse_region_attention` on the selection, block
-                   masks built outside the timing); goal ≤ 0.3× that forward.
-    sparse, attention region mass given (CSA)   the loss given the gather forward's `RegionMass`
-                   (`return_mass=True`), as the Step-5 layer calls it, plus the forward's extra
-                   time for it (with `return_mass` less without), vs the plain forward; same goal.
+                   sparse attention forward (`return_lse=True`), as the QSA and Step-5 layers call
+                   it, vs that forward (`sa_kernels.sparse_gqa_attention` on the token routes /
+                   `sa_kernels.sparse_region_attention` on the selection, block masks built outside
+                   the timing); goal ≤ 0.3× that forward.
 "Peak extra" is the peak allocation during the call above what was allocated before it (inputs,
 routes, metadata), and also without the FP32 gradients of the indexer tensors (which the loss must
 return). Times: median of `--reps` calls after one warm-up call, CUDA events around each call.
@@ -189,16 +186,16 @@ def inputs(name: str, length: int, device: torch.device, smoke: bool):
             else None
         )
 
-        def loss(mode, lse=None, mass=None):
-            extra = {"selection": mass or selection} if mode == "sparse" else {}
+        def loss(mode, lse=None):
+            extra = {"selection": selection} if mode == "sparse" else {}
             return csa_indexer_distillation_loss(
                 q, k, iq, iw, summaries, metadata, mode=mode, softmax_scale=scale, lse=lse, **extra
             )
 
-        def sparse_attention(return_lse=False, return_mass=False):
+        def sparse_attention(return_lse=False):
             return sparse_region_attention(
                 q, k, v, selection, metadata.region_sources, softmax_scale=scale,
-                block_mask=mask, return_lse=return_lse, return_mass=return_mass,
+                block_mask=mask, return_lse=return_lse,
             )  # fmt: skip
 
         grads = (iq, iw, summaries)
@@ -226,11 +223,11 @@ def rows_for(
     q, k, v, scale, grads = case["q"], case["k"], case["v"], case["scale"], case["grads"]
     gradient_gib = sum(4 * t.numel() for t in grads) / GIB
 
-    def step(mode, lse=None, **given):
+    def step(mode, lse=None):
         def run():
             for t in grads:
                 t.grad = None
-            case["loss"](mode, lse, **given).backward()
+            case["loss"](mode, lse).backward()
 
         return run
 
@@ -282,8 +279,6 @@ def rows_for(
             row["status"] = "met" if t_loss <= budget and memory_ok else "not met"
         print(json.dumps(row, ensure_ascii=False))
         rows.append(row)
-    if name == "csa":  # the target summed by the attention's forward, as the Step-5 layer runs it
-        rows.append(mass_row(case, step, t_sparse_attention, reps, device, smoke, length, profile))
     if lse is not None:  # the flash LSE is the natural-log LSE the loss expects
         from sa_routing.distillation.triton_kernels import dense_lse
 
@@ -291,37 +286,6 @@ def rows_for(
         ours = dense_lse(q, k, documents, documents, documents, query_start=0, softmax_scale=scale)
         print(f"# {name} {length}: max |flash LSE - kernel LSE| = {(lse - ours).abs().max():.3g}")
     return rows
-
-
-def mass_row(case, step, t_attention, reps, device, smoke, length, profile) -> dict:
-    """CSA sparse stage with the target from the attention: the loss given the forward's
-    `RegionMass`, plus what asking the forward for it costs (its time with `return_mass=True` less
-    its time without), vs the plain forward."""
-    t_with_mass = times_ms(lambda: case["sparse"](return_mass=True), reps, device)
-    with torch.no_grad():
-        mass = case["sparse"](return_mass=True)[1]
-    if profile:
-        print_profile(
-            f"csa {length} sparse, attention region mass given", step("sparse", mass=mass)
-        )
-    t_loss = times_ms(step("sparse", mass=mass), reps, device)
-    extra = max(t_with_mass - t_attention, 0.0)
-    total = t_loss + extra
-    row = dict(
-        what="CSA indexer distillation loss, sparse fwd+bwd, attention region mass given",
-        shape=case["shape"],
-        time_ms=round(total, 3),
-        baseline="the layer's sparse attention forward",
-        baseline_ms=round(t_attention, 3),
-        ratio=round(t_attention / total, 3),
-        throughput=f"{total / t_attention:.2f}× the baseline: the loss {t_loss:.1f} ms and "
-        f"{extra:.1f} ms more forward ({t_with_mass:.1f} ms with return_mass=True)",
-    )
-    if length in GOAL_LENGTHS and not smoke:
-        row["goal"] = f"≤ {SPARSE_GOAL:g}× the baseline"
-        row["status"] = "met" if total <= t_attention * SPARSE_GOAL else "not met"
-    print(json.dumps(row, ensure_ascii=False))
-    return row
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from distillation_cases import assert_matches_oracle, seeded
 from step5_cases import document_positions
 
 from sa_kernels.backend import triton_interpret
-from sa_kernels.sparse_region_attention import sparse_region_attention
 from sa_routing import (
     csa_indexer_distillation_loss,
     qsa_indexer_distillation_loss,
@@ -580,54 +579,6 @@ def test_triton_csa_selection_with_repeats_and_invalid_ids_equals_the_oracle() -
         region_ids=ids, query_start=18, softmax_scale=0.4,
     )  # fmt: skip
     torch.testing.assert_close(loss.double(), oracle, rtol=2e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("attention", ["gather", "reference"])
-@pytest.mark.parametrize(
-    ("start", "queries"), [(0, 36), (18, 18)], ids=["unsharded", "cp-shard-2-of-2"]
-)
-def test_csa_loss_from_the_attention_region_mass_equals_the_float64_oracle(
-    start, queries, attention, backend
-) -> None:
-    """The sparse stage's target as the attention's forward sums it (`RegionMass`, canonical slots,
-    the current region's slot among them) instead of the loss's own pass over the main keys."""
-    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(start, queries)
-    ids = reference_select_regions(
-        iq.detach(), iw.detach(), summaries.detach(), pos, pad, start, 3, 2
-    ).flip(-1)  # descending: the canonical routes reorder them
-    value = torch.randn(key.shape, generator=seeded(7))
-    _, mass = sparse_region_attention(
-        query, key, value, ids, metadata.region_sources, query_start=start, softmax_scale=0.4,
-        backend=attention, return_mass=True,
-    )  # fmt: skip
-    loss = csa_indexer_distillation_loss(
-        query, key, iq, iw, summaries, metadata, mode="sparse", selection=mass,
-        query_block=16, backend=backend,
-    )  # fmt: skip
-    oracle, _ = csa_indexer_distillation_loss_reference(
-        query, key, iq, iw, summaries, pos, pad, region_size=3, topk=2, mode="sparse",
-        region_ids=ids, query_start=start, softmax_scale=0.4,
-    )  # fmt: skip
-    inputs = (iq, iw, summaries)
-    assert_matches_oracle(
-        loss, torch.autograd.grad(loss, inputs), oracle, torch.autograd.grad(oracle, inputs)
-    )
-
-
-def test_csa_loss_refuses_an_lse_beside_a_region_mass() -> None:
-    pos, pad, metadata, query, key, iq, iw, summaries = _csa_case(18, 18)
-    ids = reference_select_regions(iq.detach(), iw.detach(), summaries.detach(), pos, pad, 18, 3, 2)
-    _, lse, mass = sparse_region_attention(
-        query, key, key, ids, metadata.region_sources, query_start=18, backend="reference",
-        return_lse=True, return_mass=True,
-    )  # fmt: skip
-    args = (query, key, iq, iw, summaries, metadata)
-    with pytest.raises(ValueError, match="lse is not read with a RegionMass"):
-        csa_indexer_distillation_loss(*args, mode="sparse", selection=mass, lse=lse)
-    bad = type(mass)(mass.region_ids.long(), mass.mass)
-    with pytest.raises(TypeError, match="int32 region_ids and float32 mass"):
-        csa_indexer_distillation_loss(*args, mode="sparse", selection=bad)
 
 
 @pytest.mark.parametrize("mode", MODES)

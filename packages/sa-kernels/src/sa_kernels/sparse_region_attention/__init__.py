@@ -16,7 +16,6 @@ handed to the mask build, `auto_backend` and the Flex options.
 """
 
 import numbers
-from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +47,6 @@ from .triton_kernels import MAX_HEAD_DIM, region_attention_backward, region_atte
 
 __all__ = [
     "RegionBlockMask",
-    "RegionMass",
     "RegionTileStatistics",
     "auto_backend",
     "build_region_block_mask",
@@ -59,51 +57,32 @@ __all__ = [
 BACKENDS = ("auto", "flex", "gather", "fa4", "reference")
 
 
-@dataclass(frozen=True)
-class RegionMass:
-    """The attention's probability mass on each selected region, summed over a KV group's heads: per
-    (batch, group g, query q, slot j), `Σ_{h in g} Σ_k softmax_h(q)[k]` over the visible keys k of
-    region `region_ids[b, g, q, j]` (what the Step-5 indexer's distillation target is made of).
-
-    Attributes:
-        region_ids: int32 [batch, kv_groups, queries, slots], the canonical routes: each row's
-            distinct valid region ids ascending, then the region count (an unused slot).
-        mass: float32 [batch, kv_groups, queries, slots], in [0, heads per group]; 0 on unused slots
-            and on rows with no visible key.
-    """
-
-    region_ids: torch.Tensor
-    mass: torch.Tensor
-
-
 class _RegionGather(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, query, key, value, routes, counts, sources, query_start, scale, return_lse, return_mass
+        ctx, query, key, value, routes, counts, sources, query_start, scale, return_lse=False
     ):
-        out, lse, mass = region_attention_forward(
-            query, key, value, routes, counts, sources, query_start, scale, mass=return_mass
+        out, lse = region_attention_forward(
+            query, key, value, routes, counts, sources, query_start, scale
         )
         ctx.save_for_backward(query, key, value, out, lse, routes, counts, sources)
         ctx.query_start = query_start
         ctx.scale = scale
-        results = [out]
-        if return_lse:
-            results.append(natural_lse(lse))  # [B, Q, H], natural log; carries no gradient
-        if return_mass:
-            results.append(mass)
-        ctx.mark_non_differentiable(*results[1:])
-        return results[0] if len(results) == 1 else tuple(results)
+        if not return_lse:
+            return out
+        natural = natural_lse(lse)  # [B, Q, H], natural log; carries no gradient
+        ctx.mark_non_differentiable(natural)
+        return out, natural
 
     @staticmethod
-    def backward(ctx, grad_out, *_grad_stats):
+    def backward(ctx, grad_out, *_grad_lse):
         query, key, value, out, lse, routes, counts, sources = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         dq, dk, dv = region_attention_backward(
             query, key, value, out, grad_out, lse, routes, counts, sources,
             ctx.query_start, ctx.scale,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _flex_in_envelope(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
@@ -255,8 +234,7 @@ def sparse_region_attention(
     backend: str = "auto",
     block_mask: RegionBlockMask | None = None,
     return_lse: bool = False,
-    return_mass: bool = False,
-) -> torch.Tensor | tuple:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention of each query over the keys of its KV group's selected regions.
 
     Query row q (global row query_start + q) attends, for its KV group, to every key row k listed
@@ -289,11 +267,6 @@ def sparse_region_attention(
             the reference reads `region_ids`.
         return_lse: also return the attention's log-sum-exp, from the same forward (no extra
             pass over the keys).
-        return_mass: also return the attention's mass on each selected region (`RegionMass`),
-            from the same forward: the gather kernels keep each region's per-head partial sums in
-            a per-program scratch and add them up once the row's log-sum-exp is known (a
-            persistent launch; no pass over the keys of its own). Flex has no per-key
-            probabilities to sum: None there.
     Returns:
         out: [batch, queries, heads, head_dim] in query.dtype; FP32 softmax; a row with no visible
             key gives 0 and zero gradients.
@@ -302,13 +275,12 @@ def sparse_region_attention(
             by); −inf for a row with none. Returned without an autograd graph (detached, or marked
             non-differentiable): no gradient flows through it. The reference computes it, gather
             converts its kernels' log2 LSE, Flex returns its own (natural log).
-        mass (only with `return_mass`): a `RegionMass`, or None on the flex backend.
-        `out` alone, else the tuple `(out, lse, mass)` of those asked for, in that order.
+        `out` alone without `return_lse`, `(out, lse)` with it.
     Raises:
         TypeError: non-tensor inputs, mismatched or unsupported dtypes (float64 on a fast backend),
             non-integer region_ids, region_sources not int32, query_start not an int, a
             softmax_scale that is not a number, a block_mask that is not a RegionBlockMask, a
-            return_lse or return_mass that is not a bool.
+            return_lse that is not a bool.
         ValueError: shapes that disagree, an unknown backend, tensors on several devices, a
             query_start outside [0, kv_length - queries], a softmax_scale that is not finite and
             positive, a block_mask built for other inputs or without the Flex mask for 'flex',
@@ -318,9 +290,8 @@ def sparse_region_attention(
     """
     fn = "sparse_region_attention"
     _validate(fn, query, key, value, region_ids, region_sources, backend)
-    for name, flag in (("return_lse", return_lse), ("return_mass", return_mass)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{fn}: {name} must be a bool; got {flag!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{fn}: return_lse must be a bool; got {return_lse!r}")
     batch, queries, heads, head_dim = query.shape
     kv_length = key.shape[1]
     query_start = _query_start(fn, query_start, queries, kv_length)
@@ -336,14 +307,9 @@ def sparse_region_attention(
     if backend == "auto" and query.device.type != "cuda":
         backend = "reference"
     if backend == "reference":
-        result = sparse_region_attention_reference(
-            query, key, value, region_ids, region_sources, query_start, scale,
-            return_lse=return_lse, return_mass=return_mass,
-        )  # fmt: skip
-        if not return_mass:
-            return result
-        *rest, routes, mass = result
-        return (*rest, RegionMass(routes, mass))
+        return sparse_region_attention_reference(
+            query, key, value, region_ids, region_sources, query_start, scale, return_lse=return_lse
+        )
     check_fast_backend(fn, backend, query)
     capability = device_capability(query)  # None on CPU
     region_sources = (
@@ -369,7 +335,7 @@ def sparse_region_attention(
         if block_mask.flex is None:
             raise ValueError(f"{fn}: backend='flex' needs a block_mask built with build_flex=True")
         options = flex_kernel_options(head_dim, query.dtype, query.device.type, capability)
-        result = flex_attend(
+        return flex_attend(
             compiled_flex(),
             query,
             key,
@@ -379,13 +345,10 @@ def sparse_region_attention(
             options,
             return_lse=return_lse,
         )
-        if not return_mass:
-            return result
-        return (*result, None) if return_lse else (result, None)
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{fn}: backend='gather' takes head_dim <= {MAX_HEAD_DIM}; got {head_dim}")
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    result = _RegionGather.apply(
+    return _RegionGather.apply(
         query,
         key,
         value,
@@ -395,9 +358,4 @@ def sparse_region_attention(
         query_start,
         scale,
         return_lse,
-        return_mass,
     )
-    if not return_mass:
-        return result
-    *rest, mass = result
-    return (*rest, RegionMass(block_mask.routes, mass))

@@ -53,8 +53,7 @@ def sparse_region_attention_reference(
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     *,
     return_lse: bool = False,
-    return_mass: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention of each query row over the keys of its KV group's selected regions.
 
     Args:
@@ -71,14 +70,12 @@ def sparse_region_attention_reference(
         softmax_scale: defaults to head_dim ** -0.5.
         query_chunk: queries gathered at once at most (bounds memory; never changes results).
         return_lse: also return the log-sum-exp of the scaled scores.
-        return_mass: also return each selected region's attention mass (`canonical_mass`).
     Returns:
         [batch, queries, heads, head_dim] in query.dtype; a row with no visible key is 0 and gets
         zero gradients. Scores and softmax run in FP32 (float64 for float64 inputs). With
         `return_lse`, `(out, lse)`: lse float32 [batch, queries, heads], the natural log of
         `Σ exp(scale · q · k)` over the row's visible keys, −inf for a row with none, detached (no
-        gradient). With `return_mass` the canonical routes and their mass come last:
-        `(out, [lse,] routes, mass)`, as `canonical_mass` gives them.
+        gradient).
     """
     batch, queries, heads, head_dim = query.shape
     kv_length, groups = key.shape[1], key.shape[2]
@@ -89,7 +86,7 @@ def sparse_region_attention_reference(
     chunk = max(1, min(query_chunk, _CHUNK_ELEMENTS // max(1, batch * groups * width * head_dim)))
     batch_index = torch.arange(batch, device=query.device).view(batch, 1, 1, 1)
     group_index = torch.arange(groups, device=query.device).view(1, groups, 1, 1)
-    outputs, lses, masses = [], [], []
+    outputs, lses = [], []
     for start in range(0, queries, chunk):
         stop = min(start + chunk, queries)
         rows = torch.arange(query_start + start, query_start + stop, device=query.device)
@@ -111,34 +108,6 @@ def sparse_region_attention_reference(
         if return_lse:  # [B, G, Qc, hpg, 1] -> [B, Qc, heads]
             lse = row_lse(peak, total).squeeze(-1).permute(0, 2, 1, 3)
             lses.append(lse.reshape(batch, stop - start, heads))
-        if return_mass:  # Σ over the group's heads and each slot's keys: [B, G, Qc, slots]
-            per_slot = probs.detach().sum(dim=3).unflatten(-1, (region_ids.shape[-1], -1))
-            masses.append(per_slot.sum(dim=-1).float())
-    results = [torch.cat(outputs, dim=1)]
     if return_lse:
-        results.append(torch.cat(lses, dim=1))
-    if return_mass:
-        results.extend(
-            canonical_mass(region_ids, torch.cat(masses, dim=2), region_sources.shape[1])
-        )
-    return results[0] if len(results) == 1 else tuple(results)
-
-
-def canonical_mass(
-    region_ids: torch.Tensor, mass: torch.Tensor, regions: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-slot masses of `region_ids` moved to the canonical routes' slots.
-
-    Args:
-        region_ids: integer [batch, groups, queries, slots], ids outside [0, regions) unused.
-        mass: float32, same shape: each slot's mass, 0 on unused slots and on repeats of an id.
-        regions: the region count (the sentinel).
-    Returns:
-        routes: int32 [batch, groups, queries, slots], each row's distinct valid ids ascending,
-            then `regions` (the gather kernels' canonical routes, `sparse_gqa.canonical_routes`).
-        mass: float32, same shape: the mass of each route slot, 0 on sentinels.
-    """
-    keep = route_membership(region_ids, regions)
-    ids = torch.where(keep, region_ids.long(), regions)
-    ids, order = ids.sort(dim=-1, stable=True)
-    return ids.to(torch.int32), torch.where(ids < regions, mass.gather(-1, order), 0.0)
+        return torch.cat(outputs, dim=1), torch.cat(lses, dim=1)
+    return torch.cat(outputs, dim=1)

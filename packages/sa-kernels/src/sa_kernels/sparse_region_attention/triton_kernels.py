@@ -11,14 +11,7 @@ and then loads from K and V. A key is masked where its source is -1 or outside [
 above the query's global row (causal). Only those rows are loaded; region ids are never expanded to
 token ids in memory.
 
-Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. With `mass` the forward also
-returns each route slot's attention mass summed over the group's heads (the Step-5 indexer's
-distillation target), at the cost of a few KiB of scratch traffic per row: a step sums its
-probabilities per virtual slot and head and stores their log2-sum-exp (relative to the step's
-running max, so no rescaling is needed later) in the program's scratch; once the row's LSE is known,
-the row reads them back and writes `Σ_h exp2(· − lse_h)` per slot. The scratch is per program, so
-that launch is persistent (`PROGRAMS_PER_SM` programs per SM, each taking every n-th row), and the
-per-head partials, `[Q, H, slots]` FP32 if kept for all rows, never exist beyond a few MiB. The backward recomputes
+Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. The backward recomputes
 P from it and keeps dQ in registers. dK and dV come one of two ways (the backward config's "DKV"):
 "key_major" (the default where `key_major.fits`: 16-key regions at head_dim 256) leaves them to per-region
 programs over the inverse routes, and this kernel stores the rows' delta for them; "atomic"
@@ -37,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.backend import sm_count
 from sa_kernels.sparse_gqa.triton_kernels import (
     LOG2E,
     PASS_ACCUMULATOR_ELEMENTS,
@@ -51,7 +43,6 @@ from .key_major import fits as key_major_fits
 from .key_major import region_dkdv_key_major
 
 MAX_HEAD_DIM = 256
-_FINAL_SLOTS = 64  # route slots per step of the mass launch's closing sum
 
 
 @triton.jit
@@ -83,9 +74,8 @@ def _region_keys(
 
 
 @triton.jit
-def _region_fwd_row(
-    q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr, mass_ptr, scratch,
-    q_idx, bh,
+def _region_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qq, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -94,17 +84,13 @@ def _region_fwd_row(
     stride_sb, stride_sn,
     stride_ob, stride_oq, stride_oh,
     stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mq,
-    kv_heads, kv_length, regions, slots, query_start, scale_log2,
+    kv_heads, kv_length, regions, query_start, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
-    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, SLOT_N: tl.constexpr,
-    FINAL_SLOTS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Output and LSE of query `q_idx`'s heads of KV head `bh` (batch · kv_heads + h); with MASS also
-    the group's mass on each route slot, through `scratch` (this program's own `[BLOCK_G,
-    SCRATCH_V]` FP32): the loop stores each virtual slot's per-head log2-sum-exp as it passes it;
-    once the row's LSE is known, they are summed over the heads and the region's chunks."""
+    q_idx = tl.program_id(0)
+    bh = tl.program_id(1)
     b = bh // kv_heads
     h = bh % kv_heads
     offs_g = tl.arange(0, BLOCK_G)
@@ -122,17 +108,14 @@ def _region_fwd_row(
         g_mask[:, None] & d_mask[None, :],
     )  # fmt: skip
     route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
-    count = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx)
-    stop = count * CHUNKS
+    stop = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
     src_base = src_ptr + b64 * stride_sb
     k_base = k_ptr + b64 * stride_kb + h * stride_kh
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    VIRTUAL: tl.constexpr = BLOCK_W // BLOCK_RS  # virtual slots per step
-    offs_n = tl.arange(0, SLOT_N)
-    for start in range(0, stop, VIRTUAL):
+    for start in range(0, stop, BLOCK_W // BLOCK_RS):
         ids, w_mask = _region_keys(
             route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
             REGION_SIZE, BLOCK_RS, CHUNKS,
@@ -147,24 +130,9 @@ def _region_fwd_row(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_v = p.to(v.dtype)
-        pv = fp32_dot(p_v, v, IEEE, UPCAST)
+        pv = fp32_dot(p.to(v.dtype), v, IEEE, UPCAST)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-        if MASS:  # key w of the step is offset w % BLOCK_RS of virtual slot start + w // BLOCK_RS
-            # the per-slot sums as one more small dot (P · membership), in the layout of P · V:
-            # no shuffle of P between threads
-            member = tl.where(offs_w[:, None] // BLOCK_RS == offs_n[None, :], 1.0, 0.0)
-            member = member.to(v.dtype)
-            part = fp32_dot(p_v, member, IEEE, UPCAST)  # [BLOCK_G, SLOT_N]
-            log_part = tl.where(
-                part > 0, tl.log2(tl.where(part > 0, part, 1.0)) + m_safe[:, None], float("-inf")
-            )
-            tl.store(
-                scratch + offs_g[:, None] * SCRATCH_V + (start + offs_n)[None, :],
-                log_part,
-                mask=((offs_n < VIRTUAL) & (start + offs_n < stop))[None, :],
-            )
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     o_base = out_ptr + b64 * stride_ob + q64 * stride_oq
@@ -176,72 +144,6 @@ def _region_fwd_row(
     # Log-sum-exp in the exp2 domain of the scaled scores; +inf marks a row with no visible key.
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
     tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, lse, mask=g_mask)
-    if MASS:  # slot j: Σ_heads Σ_chunks exp2(log_part − lse), 0 from the row's count on
-        tl.debug_barrier()  # the loop's scratch stores are visible to every thread of the program
-        mass_base = mass_ptr + b64 * stride_mb + h64 * stride_mh + q64 * stride_mq
-        for first in range(0, slots, FINAL_SLOTS):
-            slot = first + tl.arange(0, FINAL_SLOTS)
-            live = g_mask[:, None] & (slot < count)[None, :]
-            mass = tl.zeros([FINAL_SLOTS], tl.float32)
-            for c in tl.static_range(CHUNKS):
-                log_part = tl.load(
-                    scratch + offs_g[:, None] * SCRATCH_V + (slot * CHUNKS + c)[None, :],
-                    mask=live, other=float("-inf"),
-                )  # fmt: skip
-                mass += tl.sum(tl.exp2(log_part - lse[:, None]), axis=0)
-            tl.store(mass_base + slot, mass, mask=slot < slots)
-        tl.debug_barrier()  # every thread has read its scratch before the next row writes it
-
-
-@triton.jit
-def _region_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr, mass_ptr, scratch_ptr,
-    stride_qb, stride_qq, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_rb, stride_rh, stride_rq,
-    stride_cb, stride_ch,
-    stride_sb, stride_sn,
-    stride_ob, stride_oq, stride_oh,
-    stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mq,
-    queries, kv_heads, rows, kv_length, regions, slots, query_start, scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
-    MASS: tl.constexpr, SCRATCH_V: tl.constexpr, SLOT_N: tl.constexpr,
-    FINAL_SLOTS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """Without MASS, one program per row: grid (queries, batch · kv_heads). With MASS, a persistent
-    grid (programs,): program i takes rows i, i + programs, … of the same order (query fastest,
-    `rows` = queries · batch · kv_heads in all) and owns scratch block i, so that the scratch is a
-    few MiB however long the sequence, and stays in L2 between its stores and loads."""
-    if MASS:
-        pid = tl.program_id(0)
-        scratch = scratch_ptr + pid.to(tl.int64) * (BLOCK_G * SCRATCH_V)
-        for work in range(pid, rows, tl.num_programs(0)):
-            _region_fwd_row(
-                q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr, mass_ptr,
-                scratch, work % queries, work // queries,
-                stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_rb, stride_rh, stride_rq,
-                stride_cb, stride_ch, stride_sb, stride_sn, stride_ob, stride_oq, stride_oh,
-                stride_lb, stride_lh, stride_mb, stride_mh, stride_mq,
-                kv_heads, kv_length, regions, slots, query_start, scale_log2,
-                GROUP, HEAD_DIM, REGION_SIZE, CHUNKS, BLOCK_G, BLOCK_D, BLOCK_W, BLOCK_RS,
-                MASS, SCRATCH_V, SLOT_N, FINAL_SLOTS, IEEE, UPCAST,
-            )  # fmt: skip
-    else:
-        _region_fwd_row(
-            q_ptr, k_ptr, v_ptr, routes_ptr, counts_ptr, src_ptr, out_ptr, lse_ptr, mass_ptr,
-            scratch_ptr, tl.program_id(0), tl.program_id(1),
-            stride_qb, stride_qq, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_rb, stride_rh, stride_rq,
-            stride_cb, stride_ch, stride_sb, stride_sn, stride_ob, stride_oq, stride_oh,
-            stride_lb, stride_lh, stride_mb, stride_mh, stride_mq,
-            kv_heads, kv_length, regions, slots, query_start, scale_log2,
-            GROUP, HEAD_DIM, REGION_SIZE, CHUNKS, BLOCK_G, BLOCK_D, BLOCK_W, BLOCK_RS,
-            MASS, SCRATCH_V, SLOT_N, FINAL_SLOTS, IEEE, UPCAST,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -358,12 +260,7 @@ def default_config(head_dim: int, backward: bool) -> dict:
             "KEY_SPLIT": None,
             "DKV": "key_major",
         }
-    return {
-        "BLOCK_W": 32 if head_dim > 128 else 128,
-        "num_warps": 4,
-        "num_stages": 2,
-        "PROGRAMS_PER_SM": 8,
-    }
+    return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
 
 
 # Candidates `bench_sparse_region_attention.py --sweep-gather` times against the defaults.
@@ -413,42 +310,24 @@ def region_attention_forward(
     query_start: int,
     scale: float,
     *,
-    mass: bool = False,
     _config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """out [B, Q, H, D] (query dtype), lse FP32 [B, H, Q] (log2 domain of scale·scores) and, with
-    `mass`, FP32 [B, G, Q, W]: each route slot's attention mass summed over the KV group's heads
-    (`Σ_h Σ_k exp2(scale·log2e · q_h · k − lse_h)` over the slot's visible keys), else None.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Q, H, D] (query dtype) and lse FP32 [B, H, Q] (log2 domain of scale·scores).
 
     routes: int32 [B, G, Q, W] canonical (sentinel `regions`), counts int32 [B, G, Q],
     region_sources int32 [B, regions, region_size] with unit last stride. `_config` ({"BLOCK_W",
-    "num_warps", "num_stages"}, and "PROGRAMS_PER_SM" of the mass launch) overrides the launch
-    (benchmark sweeps)."""
+    "num_warps", "num_stages"}) overrides the launch (benchmark sweeps)."""
     batch, queries, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
     regions, region_size = region_sources.shape[1:]
-    slots = routes.shape[-1]
     out = torch.empty_like(query)
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
-    config = {**default_config(head_dim, backward=False), **(_config or {})}
+    config = _config or default_config(head_dim, backward=False)
     block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
-    rows = queries * batch * kv_heads
-    if mass:
-        masses = torch.empty(
-            batch, kv_heads, queries, slots, dtype=torch.float32, device=query.device
-        )
-        scratch_v = triton.next_power_of_2(slots * chunks)
-        programs = min(rows, _mass_programs(query.device, config["PROGRAMS_PER_SM"]))
-        scratch = torch.empty(
-            programs * block_g * scratch_v, dtype=torch.float32, device=query.device
-        )
-        grid = (programs,)
-    else:
-        masses, scratch_v, scratch = lse, 1, lse  # not read (MASS off)
-        grid = (queries, batch * kv_heads)
+    grid = (queries, batch * kv_heads)
     _region_fwd_kernel[grid](
-        query, key, value, routes, counts, region_sources, out, lse, masses, scratch,
+        query, key, value, routes, counts, region_sources, out, lse,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -457,21 +336,13 @@ def region_attention_forward(
         region_sources.stride(0), region_sources.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        masses.stride(0), masses.stride(1), masses.stride(2) if mass else 0,
-        queries, kv_heads, rows, key.shape[1], regions, slots, query_start, scale * LOG2E,
+        kv_heads, key.shape[1], regions, query_start, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        MASS=mass, SCRATCH_V=scratch_v, SLOT_N=max(16, config["BLOCK_W"] // block_rs),
-        FINAL_SLOTS=_FINAL_SLOTS, **dot_flags(query),
+        **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
-    return out, lse, masses if mass else None
-
-
-def _mass_programs(device: torch.device, per_sm: int) -> int:
-    """Programs of the persistent mass launch: `per_sm` per streaming multiprocessor (4 under the
-    interpreter, so that the CPU tests run several rows per program)."""
-    return 4 if device.type != "cuda" else sm_count(device.index) * per_sm
+    return out, lse
 
 
 def region_split(config: dict, head_dim: int, region_size: int) -> int:

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from sa_cp import RecomputeReplay, gather_halo, gather_no_grad, gather_sequence
 from sa_kernels import grouped_rms_norm, sparse_region_attention
 from sa_kernels.sparse_gqa.flex import compiled_flex, flex_attend, flex_kernel_options
-from sa_kernels.sparse_region_attention import RegionBlockMask, RegionMass, build_region_block_mask
+from sa_kernels.sparse_region_attention import RegionBlockMask, build_region_block_mask
 from sa_kernels.sparse_region_attention.triton_kernels import MAX_HEAD_DIM
 from sa_routing import (
     RegionMetadata,
@@ -113,12 +113,11 @@ class Step5Attention(nn.Module):
     `indexer_training` (CSA layers; set by `Step5Model.set_indexer_training`): "off" routes with the
     frozen indexer; "dense_warmup" attends densely (causal within the document) and returns the
     indexer's distillation loss over every historical region of the query's document; "sparse"
-    attends over the routes and returns the loss over the selected regions. In the sparse stage
-    the target is the region mass the sparse attention sums in its own forward (`return_mass=True`:
-    the gather and reference backends); on Flex, which has none, the loss sums it from the
-    attention's log-sum-exp. In the warm-up the target is normalised by the dense Flex path's
-    log-sum-exp; the masked-SDPA path (CPU, the reference backend) returns none and the loss
-    computes it. The loss reads the attention's query and key without
+    attends over the routes and returns the loss over the selected regions. The loss's target is
+    normalised by the log-sum-exp the main attention returned in the same call where it has one
+    (the sparse attention's `return_lse=True`; in the warm-up, the dense Flex path's), so the loss
+    runs no LSE pass of its own; the warm-up's masked-SDPA path (CPU, the reference backend)
+    returns none and the loss computes it. The loss reads the attention's query and key without
     gradient and the hidden states detached, so it trains only the indexer.
 
     Args:
@@ -225,7 +224,7 @@ class Step5Attention(nn.Module):
         self._check(hidden, batch)
         query, key, value = self.project(hidden, batch)
         mode = "off" if self.indexer is None else self.indexer_training
-        target = lse = None
+        routes = lse = None
         if self.layer_type == "swa":
             out = self.window_attention(query, key, value, batch)
         else:
@@ -235,13 +234,13 @@ class Step5Attention(nn.Module):
             elif self.layer_type == "dense":
                 out = self.causal_attention(query, key, value, batch)
             else:
-                out, target, lse = self.routed_attention(
-                    hidden, query, key, value, batch, distill=mode == "sparse"
+                out, routes, lse = self.routed_attention(
+                    hidden, query, key, value, batch, return_lse=mode == "sparse"
                 )
         aux = (
             None
             if mode == "off"
-            else self.indexer_loss(hidden, query, key, batch, mode, target, lse)
+            else self.indexer_loss(hidden, query, key, batch, mode, routes, lse)
         )
         gate = torch.sigmoid(self.g_proj(hidden)).unsqueeze(-1)  # [B, L, heads, 1]
         return self.o_proj((out * gate).flatten(-2)), aux
@@ -324,40 +323,27 @@ class Step5Attention(nn.Module):
 
     @torch.compiler.disable
     def routed_attention(
-        self, hidden, query, key, value, batch: Step5Batch, *, distill: bool = False
-    ) -> tuple[torch.Tensor, RegionSelection | RegionMass | None, torch.Tensor | None]:
+        self, hidden, query, key, value, batch: Step5Batch, *, return_lse: bool = False
+    ) -> tuple[torch.Tensor, RegionRoutes, torch.Tensor | None]:
         """Region selection (`select_routes`) and `sparse_attention` over it → (out [B, L, heads,
-        D], the distillation target's selection, lse). With `distill` (the sparse stage), the
-        attention's `RegionMass` and None where its backend sums the mass in the forward, else
-        the routes' `RegionSelection` and the attention's float32 natural log-sum-exp [B, L,
-        heads] (detached); without, (out, None, None).
+        D], the routes, with `return_lse` the attention's float32 natural log-sum-exp [B, L,
+        heads] from the same call (detached), else None).
 
         Runs outside torch.compile's graph (one graph break per CSA layer): the indexer's top-k,
         the replay channel, the block-mask build and the backend's dispatch (Triton launches,
         compiled Flex) are host logic that Dynamo cannot or should not trace.
         """
         routes = self.select_routes(hidden, batch, key.shape[1])
-        if not distill:
-            return self.sparse_attention(query, key, value, routes, batch), None, None
-        out, lse, mass = self.sparse_attention(
-            query, key, value, routes, batch, return_lse=True, return_mass=True
-        )
-        return (out, mass, None) if mass is not None else (out, routes.selection, lse)
+        result = self.sparse_attention(query, key, value, routes, batch, return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
+        return out, routes, lse
 
     def sparse_attention(
-        self,
-        query,
-        key,
-        value,
-        routes: RegionRoutes,
-        batch: Step5Batch,
-        *,
-        return_lse=False,
-        return_mass=False,
-    ) -> torch.Tensor | tuple:
+        self, query, key, value, routes: RegionRoutes, batch: Step5Batch, *, return_lse=False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Each query over the causally visible keys of its KV group's selected regions; key, value:
-        [B, S, G, D] global (all-gathered under CP); with `return_lse` / `return_mass`, the tuple
-        `sparse_region_attention` returns."""
+        [B, S, G, D] global (all-gathered under CP); with `return_lse`, `(out, lse)` as
+        `sparse_region_attention` returns them."""
         return sparse_region_attention(
             query,
             key,
@@ -369,7 +355,6 @@ class Step5Attention(nn.Module):
             backend=self.backend,
             block_mask=routes.block_mask,
             return_lse=return_lse,
-            return_mass=return_mass,
         )
 
     @torch.compiler.disable  # the distillation loss's dispatch runs eagerly, like route selection
@@ -380,7 +365,7 @@ class Step5Attention(nn.Module):
         key: torch.Tensor,
         batch: Step5Batch,
         mode: str,
-        selection: RegionSelection | RegionMass | None,
+        routes: RegionRoutes | None,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The indexer's KL distillation loss (`sa_routing.csa_indexer_distillation_loss`) as this
@@ -391,11 +376,9 @@ class Step5Attention(nn.Module):
             hidden: [B, L, hidden_size], the layer's input (detached inside the indexer's
                 `training_*` projections).
             query: [B, L, heads, D], the attention's query; key: [B, S, G, D] its global keys.
-            mode: "dense_warmup" or "sparse"; selection: in "sparse", the call's
-                `RegionSelection`, or the attention's `RegionMass` (the target as its forward
-                summed it), else None.
+            mode: "dense_warmup" or "sparse"; routes: the call's `RegionRoutes` in "sparse".
             lse: the main attention's float32 log-sum-exp [B, L, heads] over the keys it attended,
-                from its forward, or None: the loss computes it (not read with a `RegionMass`).
+                from its forward, or None: the loss computes it.
         Returns:
             float32 scalar; gradients reach only the indexer's parameters.
         """
@@ -414,7 +397,7 @@ class Step5Attention(nn.Module):
             indexer.training_summaries(keys, logits, metadata),
             metadata,
             mode=mode,
-            selection=selection,
+            selection=None if routes is None else routes.selection,
             softmax_scale=self.scale,
             lse=lse,
             reduction="sum",

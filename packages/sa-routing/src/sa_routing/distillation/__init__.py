@@ -47,9 +47,7 @@ the query} exp(scale · q_h · k − lse_h)`, L1-normalised over the query's slo
 the keys the sparse attention attends (the distinct selected units' visible keys and the suffix: the
 QSA tail, the CSA current region's tokens up to the query). On CUDA one Triton program per (query,
 group) reads the slots' keys through the unit table (a second pass first when `lse` is not given); on
-CPU the PyTorch path gathers them per (group, KV head). CSA can skip that pass: the gather backend
-of `sparse_region_attention` sums the same mass in its forward (`return_mass=True`), and a
-`RegionMass` passed as the selection is the target as it is, in its canonical slot order. The indexer logits are computed for the
+CPU the PyTorch path gathers them per (group, KV head). The indexer logits are computed for the
 selected units only, from the unit keys / summaries gathered per slot; softmax, KL and gradients run
 over the valid slots. Tiles of query rows keep the largest gathered tensor (`[G, rows, K, index_dim]`
 unit keys; on the PyTorch path also `[rows, K · unit size, head_dim]` main keys) within 64M elements
@@ -91,7 +89,6 @@ from typing import Literal
 import torch
 
 from sa_kernels.backend import has_triton, triton_interpret
-from sa_kernels.sparse_region_attention import RegionMass
 
 from ..qsa.lengths import _is_int, packed_block_starts, validate_cu_seqlens
 from ..step5.layouts import RegionMetadata, RegionSelection
@@ -326,7 +323,7 @@ def csa_indexer_distillation_loss(
     metadata: RegionMetadata,
     *,
     mode: IndexerTraining,
-    selection: RegionSelection | RegionMass | torch.Tensor | None = None,
+    selection: RegionSelection | torch.Tensor | None = None,
     softmax_scale: float | None = None,
     lse: torch.Tensor | None = None,
     reduction: Literal["mean", "sum"] = "mean",
@@ -357,10 +354,7 @@ def csa_indexer_distillation_loss(
         metadata: the forward's `region_metadata(...)` for these queries.
         mode: "dense_warmup" or "sparse".
         selection: "sparse" only: the layer's `RegionSelection`, or its `region_ids` int
-            [batch, G, local_queries, topk + 1] (ascending, unused slots `region_count`), or the
-            attention's `RegionMass` over that selection (`sparse_region_attention(...,
-            return_mass=True)`, G the KV groups): then the target is its mass, from the attention's
-            own forward, and the loss reads neither the main query and key nor `lse` (None).
+            [batch, G, local_queries, topk + 1] (ascending, unused slots `region_count`).
         softmax_scale: the main attention's scale; None: `head_dim ** -0.5`.
         lse: float [batch, local_queries, heads] natural log-sum-exp of the main attention's scaled
             scores, as its forward returns it (over every visible key in "dense_warmup", over the
@@ -422,18 +416,13 @@ def csa_indexer_distillation_loss(
         index_weights=index_weights,
         region_summaries=region_summaries,
     )
-    region_mass = selection if isinstance(selection, RegionMass) else None
-    region_ids = (
-        selection.region_ids if isinstance(selection, (RegionSelection, RegionMass)) else selection
-    )
+    region_ids = selection.region_ids if isinstance(selection, RegionSelection) else selection
     _check_device(fn, query, key, index_queries, index_weights, region_summaries, region_ids, lse)
     if mode == "sparse":
         shape = (batch, groups, queries, metadata.topk + 1)
         _check_ids(
             fn, "selection", region_ids, shape, "region_ids [batch, G, local_queries, topk + 1]"
         )
-        if region_mass is not None:
-            _check_region_mass(fn, region_mass, lse)
     elif selection is not None:
         raise ValueError(
             f"{fn}: selection is read in mode 'sparse' only; got a selection with mode {mode!r}"
@@ -444,13 +433,12 @@ def csa_indexer_distillation_loss(
         key.detach(),
         metadata,
         groups=groups,
-        region_ids=region_ids if mode == "sparse" and region_mass is None else None,
+        region_ids=region_ids if mode == "sparse" else None,
         softmax_scale=_scale(fn, softmax_scale, query),
         lse=None if lse is None else lse.detach(),
         query_block=query_block or _QUERY_BLOCK,
         key_block=key_block,
         backend=backend,
-        region_mass=region_mass,
     )
     problem = _tiled(problem, query_block, groups, index_heads, index_dim)
     return _DistillationLoss.apply(
@@ -572,22 +560,6 @@ def _check_ids(
         raise TypeError(f"{fn}: {name} must be an integer tensor; got {got}")
     if tuple(ids.shape) != shape:
         raise ValueError(f"{fn}: {name} must be {layout} = {shape}; got {tuple(ids.shape)}")
-
-
-def _check_region_mass(fn: str, region_mass: RegionMass, lse: torch.Tensor | None) -> None:
-    ids, mass = region_mass.region_ids, region_mass.mass
-    if ids.dtype != torch.int32 or mass.dtype != torch.float32 or mass.shape != ids.shape:
-        raise TypeError(
-            f"{fn}: a RegionMass selection must hold int32 region_ids and float32 mass of one shape; "
-            f"got {ids.dtype} {tuple(ids.shape)} and {mass.dtype} {tuple(mass.shape)}"
-        )
-    if mass.device != ids.device:
-        raise ValueError(f"{fn}: the RegionMass tensors must share one device")
-    if lse is not None:
-        raise ValueError(
-            f"{fn}: lse is not read with a RegionMass selection (its mass is already normalised by "
-            "the attention's log-sum-exp); pass lse=None"
-        )
 
 
 def _check_lse(fn: str, lse: torch.Tensor | None, batch: int, queries: int, heads: int) -> None:

@@ -68,9 +68,6 @@ class SlotProblem:
         tiles: host tiles of query rows; together they cover every loss row once (their unit and key
             intervals are not read).
         backend: "torch" or "triton".
-        mass: float32 [B, G, Q, K], the attention forward's mass of each slot (`RegionMass`), or
-            None (computed). When given it is the target before masking and normalisation: `lse`,
-            `unit_rows`' keys and the suffix are not read, and the slots need not be ascending.
     """
 
     query: torch.Tensor
@@ -89,7 +86,6 @@ class SlotProblem:
     lse: torch.Tensor | None
     tiles: tuple[DistillationTile, ...]
     backend: str = "torch"
-    mass: torch.Tensor | None = None
 
 
 def sorted_slots(
@@ -264,16 +260,14 @@ def slot_distillation_sum(
     if not problem.tiles or count == 0:
         return total, (d_queries, d_weights, d_keys)
     lse = compute_lse = None
-    if problem.backend == "triton" and problem.mass is None:
+    if problem.backend == "triton":
         lse, compute_lse = _triton_lse(problem)
     tiny = torch.finfo(torch.float32).tiny
     for tile in problem.tiles:
         b, q0, q1 = tile.batch, tile.query_start, tile.query_stop
         valid = problem.slot_valid[b, :, q0:q1]  # [G, rows, K]
         with torch.no_grad():
-            if problem.mass is not None:
-                mass = problem.mass[b, :, q0:q1]
-            elif lse is None:
+            if lse is None:
                 mass = _torch_mass(problem, tile)
             else:
                 mass = _triton_mass(problem, tile, lse, compute_lse)

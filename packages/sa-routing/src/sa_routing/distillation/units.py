@@ -21,8 +21,6 @@ import itertools
 
 import torch
 
-from sa_kernels.sparse_region_attention import RegionMass
-
 from ..qsa.lengths import packed_block_starts
 from ..qsa.selection.chunked import packed_segments, padded_segments
 from ..step5.layouts import RegionMetadata
@@ -191,12 +189,9 @@ def csa_problem(
     query_block: int,
     key_block: int,
     backend: str = "torch",
-    region_mass: RegionMass | None = None,
 ) -> DistillationProblem | SlotProblem:
     """The CSA problem of validated inputs: a `SlotProblem` when `region_ids` [B, G, Q, topk + 1]
-    or the attention's `region_mass` are given ("sparse"), else a `DistillationProblem`. With
-    `region_mass` its canonical routes are the slots as they are (the current region's slot
-    invalid) and its mass the target."""
+    are given ("sparse"), else a `DistillationProblem`."""
     count = metadata.region_count
     current = metadata.current
     # the first key row of each query's current region (its document offset 0 is never padding)
@@ -233,14 +228,9 @@ def csa_problem(
             )
     sources = metadata.region_sources
     width = 1 << (sources.shape[-1] - 1).bit_length()
-    if region_ids is not None or region_mass is not None:
+    if region_ids is not None:
         # historical regions only: the current one is the suffix
-        if region_mass is None:
-            exclude = current[:, None, :, None]
-            slot_units, slot_valid = sorted_slots(region_ids, count, exclude=exclude)
-        else:  # canonical: distinct valid ids ascending, then `count`
-            slot_units = region_mass.region_ids
-            slot_valid = (slot_units < count) & (slot_units != current[:, None, :, None])
+        slot_units, slot_valid = sorted_slots(region_ids, count, exclude=current[:, None, :, None])
         # the suffix: the current region's tokens up to the query
         start_row = torch.arange(metadata.query_start, metadata.query_start + metadata.queries)
         start_row = start_row.to(current.device)
@@ -270,7 +260,6 @@ def csa_problem(
             lse=lse,
             tiles=tuple(tiles),
             backend=backend,
-            mass=None if region_mass is None else region_mass.mass,
         )
     document_start = unit_rows = None
     if backend == "triton":
