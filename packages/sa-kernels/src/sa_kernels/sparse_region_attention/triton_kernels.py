@@ -251,37 +251,42 @@ def default_config(head_dim: int, backward: bool) -> dict:
     dK/dV way (`DKV`) and, for the atomic way, the keys per pass (`KEY_SPLIT`; 0 = one pass; None:
     PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). Both are the
     fastest launches of `bench_sparse_region_attention.py --sweep-gather` on the H200 at the Step-5
-    geometry (CSA routes, 32k tokens, D 192)."""
+    geometry (CSA routes, 32k tokens, D 192): 2 warps hold the 16 heads of a KV group with the
+    fewest idle lanes per gathered key row."""
+    warps = 2 if head_dim > 128 else 4
     if backward:
         return {
             "BLOCK_W": 32,
-            "num_warps": 4,
+            "num_warps": warps,
             "num_stages": 2,
             "KEY_SPLIT": None,
             "DKV": "key_major",
         }
-    return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_W": 32 if head_dim > 128 else 128, "num_warps": warps, "num_stages": 2}
 
 
 # Candidates `bench_sparse_region_attention.py --sweep-gather` times against the defaults.
 SWEEP_FORWARD_CONFIGS = [
     {"BLOCK_W": w, "num_warps": warps, "num_stages": stages}
-    for w in (32, 64, 128)
-    for warps in (4, 8)
-    for stages in (2, 3)
-]
+    for w in (16, 32, 64)
+    for warps in (2, 4, 8)
+    for stages in (1, 2, 3)
+] + [{"BLOCK_W": 128, "num_warps": warps, "num_stages": 2} for warps in (4, 8)]
 SWEEP_BACKWARD_CONFIGS = [
     {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": None, "DKV": "atomic"},
 ] + [
     {
-        "BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "DKV": "key_major",
-        "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": 2,
+        "BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "DKV": "key_major",
+        "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": stages,
     }
-    for rows in (32, 64, 128)
-    for warps in (4, 8)
+    for rows in (32, 64)
+    for warps in (2, 4, 8)
+    for stages in (1, 2)
 ] + [
-    {"BLOCK_W": w, "num_warps": 4, "num_stages": stages, "DKV": "key_major"}
-    for w, stages in ((16, 3), (32, 2), (64, 2), (64, 3))
+    {"BLOCK_W": w, "num_warps": warps, "num_stages": stages, "DKV": "key_major"}
+    for w, warps, stages in (
+        (16, 2, 2), (16, 4, 3), (32, 2, 1), (32, 2, 2), (32, 4, 1), (32, 8, 2), (64, 4, 2),
+    )
 ]  # fmt: skip
 
 
