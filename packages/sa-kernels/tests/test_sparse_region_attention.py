@@ -216,14 +216,17 @@ def test_gather_matches_reference_forward_and_backward(
 
 
 @pytest.mark.parametrize(
-    ("region_size", "block_w", "key_split"),
-    [(20, 16, 0), (4, 16, 8), (20, 16, 40)],
-    ids=["R20-two-chunks-one-pass", "R4-passes-of-2-regions", "R20-two-chunks-passes"],
+    ("region_size", "block_w", "key_split", "head_dim"),
+    [(20, 16, 0, 16), (4, 16, 8, 24), (20, 16, 40, 48)],
+    ids=["R20-two-chunks-one-pass", "R4-passes-of-2-regions-D24", "R20-two-chunks-passes-D48"],
 )
-def test_gather_long_regions_and_region_passes_match_reference(region_size, block_w, key_split):
+def test_gather_long_regions_and_region_passes_match_reference(
+    region_size, block_w, key_split, head_dim
+):
     """Regions longer than a step (read in BLOCK_RS-row chunks) and the backward's region-range
-    passes (dQ summed over passes with atomics)."""
-    q, k, v, gen = _inputs(1, 6, 4, 2, 16, 64, torch.float32, seed=region_size)
+    passes (dQ summed over passes with atomics), at head dims held whole (16), split with a
+    masked remainder (24 = 16 + 16) and split exactly (48 = 32 + 16)."""
+    q, k, v, gen = _inputs(1, 6, 4, 2, head_dim, 64, torch.float32, seed=region_size)
     ids, sources = _case(1, 6, 64, region_size, 2, 5, 58, region_size, (3,))
     mask = build_region_block_mask(ids, sources, 64, 4, query_start=58, build_flex=False)
     args = [t.detach() for t in (q, k, v)]
@@ -248,15 +251,25 @@ def test_gather_long_regions_and_region_passes_match_reference(region_size, bloc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("batch", "heads", "groups", "region_size", "chunk"),
-    [(1, 4, 2, 4, 2), (2, 3, 1, 8, 3), (1, 6, 2, 16, None), (2, 2, 2, 3, 1)],
-    ids=["hpg2-R4-chunk2", "B2-hpg3-R8-chunk3", "hpg3-R16-one-chunk", "B2-hpg1-R3-chunk1"],
+    ("batch", "heads", "groups", "region_size", "chunk", "head_dim"),
+    [(1, 4, 2, 4, 2, 16), (2, 3, 1, 8, 3, 48), (1, 6, 2, 16, None, 40), (2, 2, 2, 3, 1, 16)],
+    ids=[
+        "hpg2-R4-chunk2",
+        "B2-hpg3-R8-chunk3-D48",
+        "hpg3-R16-one-chunk-D40",
+        "B2-hpg1-R3-chunk1",
+    ],
 )
-def test_key_major_dkdv_matches_reference(batch, heads, groups, region_size, chunk, dtype):
+def test_key_major_dkdv_matches_reference(
+    batch, heads, groups, region_size, chunk, head_dim, dtype
+):
     """The key-major dK/dV (inverse routes, per-region programs over query chunks) and the dQ-only
-    query-major launch beside it, on documents, an empty row, the causal cut and a CP offset."""
+    query-major launch beside it, on documents, an empty row, the causal cut and a CP offset; head
+    dims whole (16) and split (48 = 32 + 16, 40 = 32 + 16 with 8 masked columns)."""
     queries, kv_length, start = 7, 64, 57
-    q, k, v, gen = _inputs(batch, queries, heads, groups, 16, kv_length, dtype, seed=region_size)
+    q, k, v, gen = _inputs(
+        batch, queries, heads, groups, head_dim, kv_length, dtype, seed=region_size
+    )
     ids, sources = _case(
         batch, queries, kv_length, region_size, groups, 6, start, region_size, (2,)
     )

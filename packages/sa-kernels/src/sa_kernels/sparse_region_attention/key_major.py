@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sa_kernels.head_split import atomic_add_split, head_split, load_split
 from sa_kernels.sparse_gqa.triton_kernels import LOG2E
 from sa_kernels.triton_dot import fp32_dot
 
@@ -133,8 +134,8 @@ def _region_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     kv_heads, kv_length, regions, chunks, query_start, scale, scale_log2,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_K: tl.constexpr, D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program (region, query chunk, batch·group): dK, dV of the region's keys over the chunk's
     queries that selected it; rows of a step are BLOCK_R // GROUP_P queries × GROUP_P heads."""
@@ -147,9 +148,7 @@ def _region_dkdv_kernel(
         b64 = (bh // kv_heads).to(tl.int64)
         h = bh % kv_heads
         offs_k = tl.arange(0, BLOCK_K)
-        offs_d = tl.arange(0, BLOCK_D)
         offs_r = tl.arange(0, BLOCK_R)
-        d_mask = offs_d < HEAD_DIM
         src = tl.load(
             src_ptr + b64 * stride_sb + region.to(tl.int64) * stride_sn + offs_k,
             mask=offs_k < REGION_SIZE,
@@ -157,45 +156,48 @@ def _region_dkdv_kernel(
         )
         key_ok = (src >= 0) & (src < kv_length)
         ids = tl.where(key_ok, src, 0).to(tl.int64)
-        kv_mask = key_ok[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + b64 * stride_kb + h * stride_kh + ids[:, None] * stride_ks + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + b64 * stride_vb + h * stride_vh + ids[:, None] * stride_vs + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k_rows = b64 * stride_kb + h * stride_kh + ids * stride_ks
+        v_rows = b64 * stride_vb + h * stride_vh + ids * stride_vs
+        k_hi, k_lo = load_split(k_ptr, k_rows, key_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        v_hi, v_lo = load_split(v_ptr, v_rows, key_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
         head_in_group = offs_r % GROUP_P
         heads = h * GROUP + head_in_group
-        dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        dk_hi = tl.zeros([BLOCK_K, D_HI], tl.float32)
+        dv_hi = tl.zeros([BLOCK_K, D_HI], tl.float32)
+        dk_lo = tl.zeros([BLOCK_K, D_LO], tl.float32)
+        dv_lo = tl.zeros([BLOCK_K, D_LO], tl.float32)
         for start in range(lo, hi, BLOCK_R // GROUP_P):
             pick = start + offs_r // GROUP_P
             row_ok = (pick < hi) & (head_in_group < GROUP)
             query = tl.load(list_ptr + pick, mask=row_ok, other=0).to(tl.int64)
-            rd_mask = row_ok[:, None] & d_mask[None, :]
             q_rows = b64 * stride_qb + query * stride_qq + heads * stride_qh
-            q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=rd_mask, other=0.0)
             do_rows = b64 * stride_dob + query * stride_doq + heads * stride_doh
-            do = tl.load(do_ptr + do_rows[:, None] + offs_d[None, :], mask=rd_mask, other=0.0)
+            q_hi, q_lo = load_split(q_ptr, q_rows, row_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
+            do_hi, do_lo = load_split(do_ptr, do_rows, row_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
             stat = b64 * stride_lb + heads * stride_lh + query
             lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
             visible = (
                 row_ok[:, None] & key_ok[None, :] & (src[None, :] <= query_start + query[:, None])
             )
-            s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+            s = fp32_dot(q_hi, tl.trans(k_hi), IEEE, UPCAST)
+            dp = fp32_dot(do_hi, tl.trans(v_hi), IEEE, UPCAST)
+            if HAS_LO:
+                s += fp32_dot(q_lo, tl.trans(k_lo), IEEE, UPCAST)
+                dp += fp32_dot(do_lo, tl.trans(v_lo), IEEE, UPCAST)
             p = tl.where(visible, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-            dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
-            ds = p * (dp - delta[:, None])
-            dv += fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-            dk += fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
-        rows = b64 * stride_dkb + h * stride_dkh + ids[:, None] * stride_dks + offs_d[None, :]
-        tl.atomic_add(dk_ptr + rows, dk * scale, mask=kv_mask, sem="relaxed")
-        tl.atomic_add(dv_ptr + rows, dv, mask=kv_mask, sem="relaxed")
+            ds_t = tl.trans((p * (dp - delta[:, None])).to(q_hi.dtype))
+            p_t = tl.trans(p.to(do_hi.dtype))
+            dv_hi += fp32_dot(p_t, do_hi, IEEE, UPCAST)
+            dk_hi += fp32_dot(ds_t, q_hi, IEEE, UPCAST)
+            if HAS_LO:
+                dv_lo += fp32_dot(p_t, do_lo, IEEE, UPCAST)
+                dk_lo += fp32_dot(ds_t, q_lo, IEEE, UPCAST)
+        rows = b64 * stride_dkb + h * stride_dkh + ids * stride_dks
+        atomic_add_split(
+            dk_ptr, rows, key_ok, dk_hi * scale, dk_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
+        )
+        atomic_add_split(dv_ptr, rows, key_ok, dv_hi, dv_lo, HEAD_DIM, D_HI, D_LO, HAS_LO)
 
 
 def region_dkdv_key_major(
@@ -234,7 +236,8 @@ def region_dkdv_key_major(
     dv = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     group_p = triton.next_power_of_2(group)
     block_r = max(rows, group_p)
-    block_k, block_d = _tile(region_size, head_dim)
+    block_k = _tile(region_size, head_dim)[0]
+    d_hi, d_lo, has_lo = head_split(head_dim)
     chunks = triton.cdiv(queries, chunk)
     grid = (regions, chunks, batch * kv_heads)
     _region_dkdv_kernel[grid](
@@ -248,7 +251,7 @@ def region_dkdv_key_major(
         dk.stride(0), dk.stride(1), dk.stride(2),
         kv_heads, key.shape[1], regions, chunks, query_start, scale, scale * LOG2E,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, REGION_SIZE=region_size,
-        BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_R=block_r,
+        BLOCK_K=block_k, D_HI=d_hi, D_LO=d_lo, HAS_LO=has_lo, BLOCK_R=block_r,
         **flags,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

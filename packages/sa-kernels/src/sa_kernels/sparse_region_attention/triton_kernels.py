@@ -11,7 +11,9 @@ and then loads from K and V. A key is masked where its source is -1 or outside [
 above the query's global row (causal). Only those rows are loaded; region ids are never expanded to
 token ids in memory.
 
-Scores, softmax and accumulators are FP32; the forward saves the log-sum-exp. The backward recomputes
+Rows of a head dim that is not a power of two are two tiles (`head_split`: 192 = 128 + 64), so no
+load lane or dot works on padding columns. Scores, softmax and accumulators are FP32; the forward
+saves the log-sum-exp. The backward recomputes
 P from it and keeps dQ in registers. dK and dV come one of two ways (the backward config's "DKV"):
 "key_major" (the default where `key_major.fits`: 16-key regions at head_dim 256) leaves them to per-region
 programs over the inverse routes, and this kernel stores the rows' delta for them; "atomic"
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sa_kernels.head_split import atomic_add_split, head_split, load_split, store_split
 from sa_kernels.sparse_gqa.triton_kernels import (
     LOG2E,
     PASS_ACCUMULATOR_ELEMENTS,
@@ -43,13 +46,6 @@ from .key_major import fits as key_major_fits
 from .key_major import region_dkdv_key_major
 
 MAX_HEAD_DIM = 256
-
-
-@triton.jit
-def _load_group_rows(ptr, b64, q64, stride_b, stride_q, stride_h, heads, offs_d, mask):
-    """[BLOCK_G, BLOCK_D] rows of one query's heads of a [B, Q, H, D] tensor (last-dim stride 1)."""
-    rows = ptr + b64 * stride_b + q64 * stride_q + heads[:, None] * stride_h + offs_d[None, :]
-    return tl.load(rows, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -86,7 +82,8 @@ def _region_fwd_kernel(
     stride_lb, stride_lh,
     kv_heads, kv_length, regions, query_start, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
+    D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     q_idx = tl.program_id(0)
@@ -94,18 +91,16 @@ def _region_fwd_kernel(
     b = bh // kv_heads
     h = bh % kv_heads
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     offs_w = tl.arange(0, BLOCK_W)
     g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
     heads = h * GROUP + offs_g
     b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     h64 = h.to(tl.int64)
     row = query_start + q_idx
-    q = _load_group_rows(
-        q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d,
-        g_mask[:, None] & d_mask[None, :],
+    q_hi, q_lo = load_split(
+        q_ptr, b64 * stride_qb + q64 * stride_qq + heads * stride_qh, g_mask,
+        HEAD_DIM, D_HI, D_LO, HAS_LO,
     )  # fmt: skip
     route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
     stop = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
@@ -114,33 +109,35 @@ def _region_fwd_kernel(
     v_base = v_ptr + b64 * stride_vb + h * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, D_HI], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, D_LO], tl.float32)
     for start in range(0, stop, BLOCK_W // BLOCK_RS):
         ids, w_mask = _region_keys(
             route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
             REGION_SIZE, BLOCK_RS, CHUNKS,
         )  # fmt: skip
-        kv_mask = w_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
+        k_hi, k_lo = load_split(k_base, ids * stride_ks, w_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        v_hi, v_lo = load_split(v_base, ids * stride_vs, w_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        s = fp32_dot(q_hi, tl.trans(k_hi), IEEE, UPCAST)
+        if HAS_LO:
+            s += fp32_dot(q_lo, tl.trans(k_lo), IEEE, UPCAST)
         s = tl.where(w_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = fp32_dot(p.to(v.dtype), v, IEEE, UPCAST)
-        acc = acc * alpha[:, None] + pv
+        p = p.to(v_hi.dtype)
+        acc_hi = acc_hi * alpha[:, None] + fp32_dot(p, v_hi, IEEE, UPCAST)
+        if HAS_LO:
+            acc_lo = acc_lo * alpha[:, None] + fp32_dot(p, v_lo, IEEE, UPCAST)
         m_i = m_new
     nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_base = out_ptr + b64 * stride_ob + q64 * stride_oq
-    tl.store(
-        o_base + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
+    denom = tl.where(nonempty, l_i, 1.0)[:, None]
+    store_split(
+        out_ptr, b64 * stride_ob + q64 * stride_oq + heads * stride_oh, g_mask,
+        acc_hi / denom, acc_lo / denom, HEAD_DIM, D_HI, D_LO, HAS_LO,
+    )  # fmt: skip
     # Log-sum-exp in the exp2 domain of the scaled scores; +inf marks a row with no visible key.
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
     tl.store(lse_ptr + b64 * stride_lb + heads * stride_lh + q_idx, lse, mask=g_mask)
@@ -164,7 +161,8 @@ def _region_bwd_kernel(
     queries, kv_heads, passes, kv_length, regions, query_start, scale, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, REGION_SIZE: tl.constexpr, CHUNKS: tl.constexpr,
     SPLIT: tl.constexpr, DKV: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
+    D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_RS: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """DKV: also scatter dK, dV (FP32 atomics); else dQ only, and the rows' delta (rowsum of dO·O,
@@ -176,33 +174,29 @@ def _region_bwd_kernel(
     b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     h64 = h.to(tl.int64)
-    if SPLIT:  # this pass's route slots [lo, hi); bounds [B, kv_heads, Q, passes + 1]
+    if SPLIT:  # this pass's route slots [first, stop); bounds [B, kv_heads, Q, passes + 1]
         bound = bounds_ptr + ((b64 * kv_heads + h64) * queries + q64) * (passes + 1)
-        lo = tl.load(bound + tl.program_id(2)) * CHUNKS
-        hi = tl.load(bound + tl.program_id(2) + 1) * CHUNKS
+        first = tl.load(bound + tl.program_id(2)) * CHUNKS
+        stop = tl.load(bound + tl.program_id(2) + 1) * CHUNKS
     else:
-        lo = tl.zeros([], dtype=tl.int32)
-        hi = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
+        first = tl.zeros([], dtype=tl.int32)
+        stop = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
     # dq starts zeroed: a program with no slots in its range leaves its rows as they are
-    if hi > lo:
+    if stop > first:
         row = query_start + q_idx
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
         offs_w = tl.arange(0, BLOCK_W)
         g_mask = offs_g < GROUP
-        d_mask = offs_d < HEAD_DIM
-        gd_mask = g_mask[:, None] & d_mask[None, :]
         heads = h * GROUP + offs_g
-        q = _load_group_rows(
-            q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d, gd_mask
-        )
-        do = _load_group_rows(
-            do_ptr, b64, q64, stride_dob, stride_doq, stride_doh, heads, offs_d, gd_mask
-        )
-        o = _load_group_rows(
-            o_ptr, b64, q64, stride_ob, stride_oq, stride_oh, heads, offs_d, gd_mask
-        )
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        q_rows = b64 * stride_qb + q64 * stride_qq + heads * stride_qh
+        do_rows = b64 * stride_dob + q64 * stride_doq + heads * stride_doh
+        o_rows = b64 * stride_ob + q64 * stride_oq + heads * stride_oh
+        q_hi, q_lo = load_split(q_ptr, q_rows, g_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        do_hi, do_lo = load_split(do_ptr, do_rows, g_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        o_hi, o_lo = load_split(o_ptr, o_rows, g_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        delta = tl.sum(do_hi.to(tl.float32) * o_hi.to(tl.float32), axis=1)
+        if HAS_LO:
+            delta += tl.sum(do_lo.to(tl.float32) * o_lo.to(tl.float32), axis=1)
         lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
         if not DKV:
             tl.store(delta_ptr + b64 * stride_lb + heads * stride_lh + q64, delta, mask=g_mask)
@@ -212,37 +206,50 @@ def _region_bwd_kernel(
         v_base = v_ptr + b64 * stride_vb + h * stride_vh
         dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
         dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
-        dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_W // BLOCK_RS):
+        dq_hi = tl.zeros([BLOCK_G, D_HI], tl.float32)
+        dq_lo = tl.zeros([BLOCK_G, D_LO], tl.float32)
+        for start in range(first, stop, BLOCK_W // BLOCK_RS):
             ids, w_mask = _region_keys(
-                route_base, src_base, start, hi, offs_w, row, regions, kv_length, stride_sn,
+                route_base, src_base, start, stop, offs_w, row, regions, kv_length, stride_sn,
                 REGION_SIZE, BLOCK_RS, CHUNKS,
             )  # fmt: skip
-            kv_mask = w_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_base + ids[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
-            )
-            v = tl.load(
-                v_base + ids[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
-            )
-            s = fp32_dot(q, tl.trans(k), IEEE, UPCAST)
-            dp = fp32_dot(do, tl.trans(v), IEEE, UPCAST)
+            k_hi, k_lo = load_split(k_base, ids * stride_ks, w_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+            v_hi, v_lo = load_split(v_base, ids * stride_vs, w_mask, HEAD_DIM, D_HI, D_LO, HAS_LO)
+            s = fp32_dot(q_hi, tl.trans(k_hi), IEEE, UPCAST)
+            dp = fp32_dot(do_hi, tl.trans(v_hi), IEEE, UPCAST)
+            if HAS_LO:
+                s += fp32_dot(q_lo, tl.trans(k_lo), IEEE, UPCAST)
+                dp += fp32_dot(do_lo, tl.trans(v_lo), IEEE, UPCAST)
             p = tl.exp2(s * scale_log2 - lse[:, None])  # lse = +inf (no visible key): p = 0
             p = tl.where(w_mask[None, :] & g_mask[:, None], p, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += fp32_dot(ds.to(k.dtype), k, IEEE, UPCAST)
+            ds = (p * (dp - delta[:, None])).to(k_hi.dtype)
+            dq_hi += fp32_dot(ds, k_hi, IEEE, UPCAST)
+            if HAS_LO:
+                dq_lo += fp32_dot(ds, k_lo, IEEE, UPCAST)
             if DKV:
-                dk = fp32_dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
-                dv = fp32_dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-                rows = ids[:, None] * stride_dks + offs_d[None, :]
-                tl.atomic_add(dk_base + rows, dk * scale, mask=kv_mask, sem="relaxed")
-                tl.atomic_add(dv_base + rows, dv, mask=kv_mask, sem="relaxed")
-        dq_rows = dq_ptr + b64 * stride_dqb + q64 * stride_dqq + heads[:, None] * stride_dqh
+                ds_t = tl.trans(ds)
+                p_t = tl.trans(p.to(do_hi.dtype))
+                dk_hi = fp32_dot(ds_t, q_hi, IEEE, UPCAST) * scale
+                dv_hi = fp32_dot(p_t, do_hi, IEEE, UPCAST)
+                dk_lo = dk_hi
+                dv_lo = dv_hi
+                if HAS_LO:
+                    dk_lo = fp32_dot(ds_t, q_lo, IEEE, UPCAST) * scale
+                    dv_lo = fp32_dot(p_t, do_lo, IEEE, UPCAST)
+                atomic_add_split(
+                    dk_base, ids * stride_dks, w_mask, dk_hi, dk_lo, HEAD_DIM, D_HI, D_LO, HAS_LO
+                )
+                atomic_add_split(
+                    dv_base, ids * stride_dks, w_mask, dv_hi, dv_lo, HEAD_DIM, D_HI, D_LO, HAS_LO
+                )
+        dq_rows = b64 * stride_dqb + q64 * stride_dqq + heads * stride_dqh
         if SPLIT:
-            tl.atomic_add(dq_rows + offs_d[None, :], dq * scale, mask=gd_mask, sem="relaxed")
+            atomic_add_split(
+                dq_ptr, dq_rows, g_mask, dq_hi * scale, dq_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
+            )
         else:
-            tl.store(
-                dq_rows + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=gd_mask
+            store_split(
+                dq_ptr, dq_rows, g_mask, dq_hi * scale, dq_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
             )
 
 
@@ -299,10 +306,19 @@ _KEY_MAJOR_OPTIONS = {
 }
 
 
-def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> tuple[int, int, int, int]:
-    """BLOCK_G, BLOCK_D, BLOCK_RS (key rows of one virtual slot) and CHUNKS (virtual slots per region)."""
+def _blocks(group: int, head_dim: int, region_size: int, block_w: int) -> dict:
+    """The tile constexprs of a launch: BLOCK_G, the head dim's split (`head_split`), BLOCK_RS (key
+    rows of one virtual slot) and CHUNKS (virtual slots per region)."""
     block_rs = min(triton.next_power_of_2(region_size), block_w)
-    return (*group_blocks(group, head_dim), block_rs, triton.cdiv(region_size, block_rs))
+    d_hi, d_lo, has_lo = head_split(head_dim)
+    return {
+        "BLOCK_G": group_blocks(group, head_dim)[0],
+        "D_HI": d_hi,
+        "D_LO": d_lo,
+        "HAS_LO": has_lo,
+        "BLOCK_RS": block_rs,
+        "CHUNKS": triton.cdiv(region_size, block_rs),
+    }
 
 
 def region_attention_forward(
@@ -329,7 +345,7 @@ def region_attention_forward(
     out = torch.empty_like(query)
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
     config = _config or default_config(head_dim, backward=False)
-    block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
+    blocks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
     grid = (queries, batch * kv_heads)
     _region_fwd_kernel[grid](
         query, key, value, routes, counts, region_sources, out, lse,
@@ -342,9 +358,8 @@ def region_attention_forward(
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         kv_heads, key.shape[1], regions, query_start, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        **dot_flags(query),
+        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, BLOCK_W=config["BLOCK_W"],
+        **blocks, **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     return out, lse
@@ -388,7 +403,7 @@ def region_attention_backward(
     group = heads // kv_heads
     regions, region_size = region_sources.shape[1:]
     config = _config or default_config(head_dim, backward=True)
-    block_g, block_d, block_rs, chunks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
+    blocks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
     key_major = config.get("DKV") == "key_major" and key_major_fits(region_size, head_dim)
     lse = lse.contiguous()  # delta takes its layout
     if key_major:  # this launch: dQ and delta; dK, dV after it
@@ -416,10 +431,9 @@ def region_attention_backward(
         dq.stride(0), dq.stride(1), dq.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         queries, kv_heads, passes, key.shape[1], regions, query_start, scale, scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, CHUNKS=chunks,
+        GROUP=group, HEAD_DIM=head_dim, REGION_SIZE=region_size, BLOCK_W=config["BLOCK_W"],
         SPLIT=passes > 1, DKV=not key_major,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_W=config["BLOCK_W"], BLOCK_RS=block_rs,
-        **dot_flags(query),
+        **blocks, **dot_flags(query),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip
     if key_major:  # its launch options where the config names them, else its defaults
