@@ -259,13 +259,13 @@ def default_config(head_dim: int, backward: bool) -> dict:
     PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). Both are the
     fastest launches of `bench_sparse_region_attention.py --sweep-gather` on the H200 at the Step-5
     geometry (CSA routes, 32k tokens, D 192, split into 128 + 64 lane tiles): the forward streams
-    128 keys a step with 4 warps (50.7 ms against 59.0 ms for 32 keys with 2 warps); the dQ launch
-    keeps 32 keys with 2 warps at D above 128, where the 16 heads of a KV group leave the fewest
-    idle lanes per gathered key row (every dQ launch of the sweep lies within 1 %)."""
+    128 keys a step with 4 warps (50.7 ms against 59.0 ms for 32 keys with 2 warps), and so does
+    the dQ launch at D above 128 (the whole backward 192.5 ms against 203.6 ms for 32 keys with 2
+    warps)."""
     if backward:
         return {
-            "BLOCK_W": 32,
-            "num_warps": 2 if head_dim > 128 else 4,
+            "BLOCK_W": 128 if head_dim > 128 else 32,
+            "num_warps": 4,
             "num_stages": 2,
             "KEY_SPLIT": None,
             "DKV": "key_major",
@@ -287,13 +287,14 @@ SWEEP_BACKWARD_CONFIGS = [
         "BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "DKV": "key_major",
         "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": stages,
     }
-    for rows in (32, 64)
+    for rows in (32, 64, 128)
     for warps in (2, 4, 8)
     for stages in (1, 2)
 ] + [
     {"BLOCK_W": w, "num_warps": warps, "num_stages": stages, "DKV": "key_major"}
     for w, warps, stages in (
         (16, 2, 2), (16, 4, 3), (32, 2, 1), (32, 2, 2), (32, 4, 1), (32, 8, 2), (64, 4, 2),
+        (64, 4, 1), (64, 8, 2), (128, 4, 1), (128, 4, 2), (128, 8, 2),
     )
 ]  # fmt: skip
 
