@@ -53,27 +53,21 @@ def load_split(
 
 
 @triton.jit
-def store_split(
+def write_split(
     ptr, rows, ok, hi, lo,
     HEAD_DIM: tl.constexpr, D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):  # fmt: skip
-    """Stores hi and lo (cast to `ptr`'s dtype) at the rows of `load_split`."""
+    """Writes hi and lo at the rows of `load_split`: relaxed atomic adds into an FP32 buffer where
+    ATOMIC, else stores cast to `ptr`'s dtype."""
     m_hi, m_lo = split_masks(ok, HEAD_DIM, D_HI, D_LO)
-    dtype = ptr.dtype.element_ty
-    tl.store(ptr + rows[:, None] + tl.arange(0, D_HI)[None, :], hi.to(dtype), mask=m_hi)
-    if HAS_LO:
-        cols = D_HI + tl.arange(0, D_LO)
-        tl.store(ptr + rows[:, None] + cols[None, :], lo.to(dtype), mask=m_lo)
-
-
-@triton.jit
-def atomic_add_split(
-    ptr, rows, ok, hi, lo,
-    HEAD_DIM: tl.constexpr, D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr,
-):  # fmt: skip
-    """Relaxed atomic adds of hi and lo at the rows of `load_split` (FP32 buffers)."""
-    m_hi, m_lo = split_masks(ok, HEAD_DIM, D_HI, D_LO)
-    tl.atomic_add(ptr + rows[:, None] + tl.arange(0, D_HI)[None, :], hi, mask=m_hi, sem="relaxed")
-    if HAS_LO:
-        cols = D_HI + tl.arange(0, D_LO)
-        tl.atomic_add(ptr + rows[:, None] + cols[None, :], lo, mask=m_lo, sem="relaxed")
+    cols_hi = rows[:, None] + tl.arange(0, D_HI)[None, :]
+    cols_lo = rows[:, None] + D_HI + tl.arange(0, D_LO)[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptr + cols_hi, hi, mask=m_hi, sem="relaxed")
+        if HAS_LO:
+            tl.atomic_add(ptr + cols_lo, lo, mask=m_lo, sem="relaxed")
+    else:
+        tl.store(ptr + cols_hi, hi.to(ptr.dtype.element_ty), mask=m_hi)
+        if HAS_LO:
+            tl.store(ptr + cols_lo, lo.to(ptr.dtype.element_ty), mask=m_lo)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.head_split import atomic_add_split, head_split, load_split
+from sa_kernels.head_split import head_split, load_split, write_split
 from sa_kernels.sparse_gqa.triton_kernels import LOG2E
 from sa_kernels.triton_dot import fp32_dot
 
@@ -194,10 +194,10 @@ def _region_dkdv_kernel(
                 dv_lo += fp32_dot(p_t, do_lo, IEEE, UPCAST)
                 dk_lo += fp32_dot(ds_t, q_lo, IEEE, UPCAST)
         rows = b64 * stride_dkb + h * stride_dkh + ids * stride_dks
-        atomic_add_split(
-            dk_ptr, rows, key_ok, dk_hi * scale, dk_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
+        write_split(
+            dk_ptr, rows, key_ok, dk_hi * scale, dk_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO, True
         )
-        atomic_add_split(dv_ptr, rows, key_ok, dv_hi, dv_lo, HEAD_DIM, D_HI, D_LO, HAS_LO)
+        write_split(dv_ptr, rows, key_ok, dv_hi, dv_lo, HEAD_DIM, D_HI, D_LO, HAS_LO, True)
 
 
 def region_dkdv_key_major(

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sa_kernels.head_split import atomic_add_split, head_split, load_split, store_split
+from sa_kernels.head_split import head_split, load_split, write_split
 from sa_kernels.sparse_gqa.triton_kernels import (
     LOG2E,
     PASS_ACCUMULATOR_ELEMENTS,
@@ -134,9 +134,9 @@ def _region_fwd_kernel(
         m_i = m_new
     nonempty = l_i > 0
     denom = tl.where(nonempty, l_i, 1.0)[:, None]
-    store_split(
+    write_split(
         out_ptr, b64 * stride_ob + q64 * stride_oq + heads * stride_oh, g_mask,
-        acc_hi / denom, acc_lo / denom, HEAD_DIM, D_HI, D_LO, HAS_LO,
+        acc_hi / denom, acc_lo / denom, HEAD_DIM, D_HI, D_LO, HAS_LO, False,
     )  # fmt: skip
     # Log-sum-exp in the exp2 domain of the scaled scores; +inf marks a row with no visible key.
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("inf"))
@@ -236,21 +236,19 @@ def _region_bwd_kernel(
                 if HAS_LO:
                     dk_lo = fp32_dot(ds_t, q_lo, IEEE, UPCAST) * scale
                     dv_lo = fp32_dot(p_t, do_lo, IEEE, UPCAST)
-                atomic_add_split(
-                    dk_base, ids * stride_dks, w_mask, dk_hi, dk_lo, HEAD_DIM, D_HI, D_LO, HAS_LO
-                )
-                atomic_add_split(
-                    dv_base, ids * stride_dks, w_mask, dv_hi, dv_lo, HEAD_DIM, D_HI, D_LO, HAS_LO
-                )
+                write_split(
+                    dk_base, ids * stride_dks, w_mask, dk_hi, dk_lo,
+                    HEAD_DIM, D_HI, D_LO, HAS_LO, True,
+                )  # fmt: skip
+                write_split(
+                    dv_base, ids * stride_dks, w_mask, dv_hi, dv_lo,
+                    HEAD_DIM, D_HI, D_LO, HAS_LO, True,
+                )  # fmt: skip
         dq_rows = b64 * stride_dqb + q64 * stride_dqq + heads * stride_dqh
-        if SPLIT:
-            atomic_add_split(
-                dq_ptr, dq_rows, g_mask, dq_hi * scale, dq_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
-            )
-        else:
-            store_split(
-                dq_ptr, dq_rows, g_mask, dq_hi * scale, dq_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO
-            )
+        write_split(
+            dq_ptr, dq_rows, g_mask, dq_hi * scale, dq_lo * scale,
+            HEAD_DIM, D_HI, D_LO, HAS_LO, SPLIT,
+        )  # fmt: skip
 
 
 def default_config(head_dim: int, backward: bool) -> dict:
