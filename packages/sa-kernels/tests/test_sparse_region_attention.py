@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
+from sa_kernels.head_split import head_split
 from sa_kernels.sparse_region_attention import (
     auto_backend,
     build_region_block_mask,
@@ -16,6 +17,7 @@ from sa_kernels.sparse_region_attention import (
 from sa_kernels.sparse_region_attention.block_mask import TILE, token_regions
 from sa_kernels.sparse_region_attention.reference import sparse_region_attention_reference
 from sa_kernels.sparse_region_attention.triton_kernels import (
+    default_config,
     region_attention_backward,
     region_attention_forward,
 )
@@ -167,10 +169,28 @@ def test_reference_rows_without_visible_keys_give_zero_output_and_zero_gradients
 
 # ---------------------------------------------------------------- gather kernels (interpreter)
 
+
+@pytest.mark.parametrize(
+    ("head_dim", "split"),
+    [(1, (16, 16, False)), (16, (16, 16, False)), (24, (16, 16, True)), (96, (64, 32, True)),
+     (192, (128, 64, True)), (200, (128, 128, True)), (256, (256, 16, False))],
+)  # fmt: skip
+def test_head_split_is_a_power_of_two_and_its_rounded_remainder(head_dim, split):
+    assert head_split(head_dim) == split
+
+
+def test_fp32_default_launches_stay_at_32_keys():
+    for backward in (False, True):
+        assert default_config(256, backward, element_size=4)["BLOCK_W"] == 32
+        assert default_config(192, backward, element_size=2)["BLOCK_W"] == 128
+
+
 GATHER_CASES = [
     pytest.param(2, 6, 4, 2, 24, 40, 4, 6, 34, id="B2-Q6-H4/2-D24-S40-R4-W6-start34"),
     pytest.param(1, 8, 3, 1, 16, 30, 8, 5, 0, id="B1-Q8-H3/1-D16-S30-R8-W5-hpg3"),
     pytest.param(1, 6, 2, 2, 40, 48, 3, 9, 42, id="B1-Q6-H2/2-D40-S48-R3-W9-hpg1"),
+    # 192 = 128 + 64: a lo tile wider than 16, and the 128-key dQ launch of the default
+    pytest.param(1, 3, 2, 1, 192, 24, 4, 4, 21, id="B1-Q3-H2/1-D192-S24-R4-W4-start21"),
 ]
 
 

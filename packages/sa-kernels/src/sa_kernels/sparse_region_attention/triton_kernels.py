@@ -251,7 +251,7 @@ def _region_bwd_kernel(
         )  # fmt: skip
 
 
-def default_config(head_dim: int, backward: bool) -> dict:
+def default_config(head_dim: int, backward: bool, element_size: int = 2) -> dict:
     """Keys per step (`BLOCK_W`), warps and pipeline stages of one launch; for the backward also the
     dK/dV way (`DKV`) and, for the atomic way, the keys per pass (`KEY_SPLIT`; 0 = one pass; None:
     PASS_ACCUMULATOR_ELEMENTS // head_dim, which the launcher turns into regions). Both are the
@@ -259,16 +259,18 @@ def default_config(head_dim: int, backward: bool) -> dict:
     geometry (CSA routes, 32k tokens, D 192, split into 128 + 64 lane tiles): the forward streams
     128 keys a step with 4 warps (50.7 ms against 59.0 ms for 32 keys with 2 warps), and so does
     the dQ launch at D above 128 (the whole backward 192.5 ms against 203.6 ms for 32 keys with 2
-    warps)."""
+    warps). FP32 inputs (`element_size` 4) keep 32 keys a step: 128 of them at D above 192 need
+    more shared memory than an SM90 block has."""
+    wide = element_size <= 2
     if backward:
         return {
-            "BLOCK_W": 128 if head_dim > 128 else 32,
+            "BLOCK_W": 128 if head_dim > 128 and wide else 32,
             "num_warps": 4,
             "num_stages": 2,
             "KEY_SPLIT": None,
             "DKV": "key_major",
         }
-    return {"BLOCK_W": 128, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_W": 128 if wide else 32, "num_warps": 4, "num_stages": 2}
 
 
 # Candidates `bench_sparse_region_attention.py --sweep-gather` times against the defaults.
@@ -344,7 +346,7 @@ def region_attention_forward(
     regions, region_size = region_sources.shape[1:]
     out = torch.empty_like(query)
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
-    config = _config or default_config(head_dim, backward=False)
+    config = _config or default_config(head_dim, False, query.element_size())
     blocks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
     grid = (queries, batch * kv_heads)
     _region_fwd_kernel[grid](
@@ -402,7 +404,7 @@ def region_attention_backward(
     kv_heads = key.shape[2]
     group = heads // kv_heads
     regions, region_size = region_sources.shape[1:]
-    config = _config or default_config(head_dim, backward=True)
+    config = _config or default_config(head_dim, True, query.element_size())
     blocks = _blocks(group, head_dim, region_size, config["BLOCK_W"])
     key_major = config.get("DKV") == "key_major" and key_major_fits(region_size, head_dim)
     lse = lse.contiguous()  # delta takes its layout
