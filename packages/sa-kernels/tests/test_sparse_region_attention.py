@@ -179,7 +179,7 @@ def test_head_split_is_a_power_of_two_and_its_rounded_remainder(head_dim, split)
     assert head_split(head_dim) == split
 
 
-def test_fp32_default_launches_stay_at_32_keys():
+def test_default_launches_take_32_keys_for_fp32_and_128_for_bf16_at_d192():
     for backward in (False, True):
         assert default_config(256, backward, element_size=4)["BLOCK_W"] == 32
         assert default_config(192, backward, element_size=2)["BLOCK_W"] == 128
@@ -736,10 +736,19 @@ def test_cuda_gather_backward_variants_match_the_oracle(variant):
 
 
 @pytest.mark.gpu
-def test_cuda_fp32_gather_is_exact_to_fp32_rounding():
+@pytest.mark.parametrize("head_dim", [96, 256], ids=["D96", "D256"])
+def test_cuda_fp32_gather_is_exact_to_fp32_rounding(head_dim):
+    """FP32 forward and backward against the float64 oracle; at D 256 the default launches must
+    also fit an SM90 block's shared memory."""
     ids, sources, _ = _cuda_case("csa", 2048, 3, 1024, 2)
-    q, k, v, _ = _inputs(2, 1024, 12, 3, 96, 2048, torch.float32, "cuda")
+    q, k, v, gen = _inputs(2, 1024, 12, 3, head_dim, 2048, torch.float32, "cuda")
     ids, sources = ids.expand(2, -1, -1, -1), sources.expand(2, -1, -1)
+    grad = torch.randn(q.shape, generator=gen, device="cuda")
     out = sparse_region_attention(q, k, v, ids, sources, query_start=1024, backend="gather")
-    ref = sparse_region_attention_reference(q.double(), k.double(), v.double(), ids, sources, 1024)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = sparse_region_attention_reference(q64, k64, v64, ids, sources, 1024)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        assert _relative_error(got.double(), want) < 1e-4, f"d{name}"

@@ -5,8 +5,9 @@ of its load lanes and of every dot over it on zeros. Kernels here hold such rows
 instead: `D_HI`, the largest power of two not above the head dim, and `D_LO`, the remainder rounded
 up to a power of two (both at least 16, the least side of `tl.dot`): 192 = 128 + 64 with no padding,
 40 = 32 + 16 with 8 columns of it. A dot over the head dim is the sum of the two parts' dots; a dot
-into it (`P · V`) is two dots, one per part. With no remainder (`HAS_LO` false) the `lo` tiles are
-zeros that no dot or store reads.
+into it (`P · V`) is two dots, one per part. With no remainder (`HAS_LO` false) no dot, store or
+atomic reads a `lo` tile: `load_split` returns zeros for it, and `write_split` takes any placeholder.
+The distillation target kernels of sa-routing use the same split.
 """
 
 import triton

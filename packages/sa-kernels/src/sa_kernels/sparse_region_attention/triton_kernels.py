@@ -284,7 +284,7 @@ SWEEP_BACKWARD_CONFIGS = [
     {"BLOCK_W": 32, "num_warps": 4, "num_stages": 3, "KEY_SPLIT": None, "DKV": "atomic"},
 ] + [
     {
-        "BLOCK_W": 32, "num_warps": 4, "num_stages": 2, "DKV": "key_major",
+        "BLOCK_W": 128, "num_warps": 4, "num_stages": 2, "DKV": "key_major",
         "KEY_MAJOR_ROWS": rows, "KEY_MAJOR_WARPS": warps, "KEY_MAJOR_STAGES": stages,
     }
     for rows in (32, 64, 128)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from sa_kernels.backend import cuda_matmuls_use_tf32, triton_interpret
+from sa_kernels.head_split import head_split
 from sa_kernels.triton_dot import fp32_dot
 
 LOG2E = 1.4426950408889634
@@ -350,13 +351,6 @@ def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def _head_split(head_dim: int) -> tuple[int, int, bool]:
-    """(D_HI, D_LO, HAS_LO): a power-of-two part >= 16 and a power-of-two remainder >= 16."""
-    hi = max(16, 1 << (head_dim.bit_length() - 1))
-    rest = head_dim - hi
-    return hi, _pow2_at_least(rest, 16) if rest > 0 else 16, rest > 0
-
-
 def _precision(tensor: torch.Tensor) -> tuple[bool, bool]:
     """(IEEE, UPCAST) for `fp32_dot`."""
     wide = tensor.dtype == torch.float32
@@ -399,7 +393,7 @@ def dense_lse(
     lse = torch.empty(batch, queries, heads, device=query.device, dtype=torch.float32)
     if batch == 0 or queries == 0:
         return lse
-    d_hi, d_lo, has_lo = _head_split(dim)
+    d_hi, d_lo, has_lo = head_split(dim)
     ieee, upcast = _precision(query)
     grid = (triton.cdiv(queries * per_kv, _ROWS), kv_heads, batch)
     _dense_lse_kernel[grid](
@@ -470,7 +464,7 @@ def dense_mass(
         return out
     unit, nu = _unit_geometry(unit_rows)
     per_program = nu * 16
-    d_hi, d_lo, has_lo = _head_split(dim)
+    d_hi, d_lo, has_lo = head_split(dim)
     ieee, upcast = _precision(query)
     written: set[int] = set()
     for g, kv, head0, chunk in _head_runs(heads, key.shape[1], groups):
@@ -531,7 +525,7 @@ def sparse_mass(
         return out
     per_kv, per_group = heads // key.shape[1], heads // groups
     unit, nu = _unit_geometry(unit_rows, _SPARSE_KEYS)
-    d_hi, d_lo, has_lo = _head_split(dim)
+    d_hi, d_lo, has_lo = head_split(dim)
     ieee, upcast = _precision(query)
     width = suffix_rows.shape[1]
     for lse_pass in (True, False) if compute_lse else (False,):
