@@ -735,6 +735,41 @@ def test_cuda_gather_backward_variants_match_the_oracle(variant):
         assert _relative_error(got, want) < 2e-2, f"d{name}"
 
 
+def _head_major(t, head_stride):
+    """t [1, S, H, D] copied into a view whose heads lie `head_stride` elements apart (a head-major
+    layout): head offsets pass 2**31 elements while every stride stays an int32 launch argument."""
+    s, h, d = t.shape[1:]
+    storage = torch.empty((h - 1) * head_stride + s * d, dtype=t.dtype, device=t.device)
+    view = storage.as_strided((1, s, h, d), (s * d, d, head_stride, 1))
+    view.copy_(t.detach())
+    return view.requires_grad_(t.requires_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dkv", ["key_major", "atomic"])
+def test_cuda_gather_reads_head_offsets_past_int32(dkv):
+    """Q, K, V and dO as head-major views whose head offsets pass 2**31 elements (what a [B, H, S,
+    D] tensor at 1M tokens and 64 heads gives): the same results as contiguous copies."""
+    kv_length, heads, groups = 2048, 4, 4
+    ids, sources, _ = _cuda_case("csa", kv_length, groups, 1024, 5)
+    q, k, v, gen = _inputs(1, 1024, heads, groups, 64, kv_length, torch.bfloat16, "cuda")
+    grad = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    mask = build_region_block_mask(ids, sources, kv_length, heads, query_start=1024)
+    config = {**default_config(64, True), "DKV": dkv}
+    results = []
+    for tensors in ((q, k, v, grad), [_head_major(t, 2**30 + 64) for t in (q, k, v, grad)]):
+        args = [t.detach() for t in tensors[:3]]
+        out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, 1024, 0.125)
+        grads = region_attention_backward(
+            *args, out, tensors[3], lse, mask.routes, mask.counts, sources, 1024, 0.125,
+            _config=config,
+        )  # fmt: skip
+        results.append((out, *grads))
+        del tensors, args
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [96, 256], ids=["D96", "D256"])
 def test_cuda_fp32_gather_is_exact_to_fp32_rounding(head_dim):

@@ -72,7 +72,7 @@ def _gather_fwd_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = h * GROUP + offs_g
+    heads = h.to(tl.int64) * GROUP + offs_g  # int64: head-major views have large head strides
     b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     q = _load_group_rows(
@@ -81,8 +81,8 @@ def _gather_fwd_kernel(
     )  # fmt: skip
     route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
     count = tl.load(counts_ptr + b64 * stride_cb + rh64 * stride_ch + q_idx)
-    k_base = k_ptr + b64 * stride_kb + h * stride_kh
-    v_base = v_ptr + b64 * stride_vb + h * stride_vh
+    k_base = k_ptr + b64 * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + h.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -156,7 +156,7 @@ def _gather_bwd_kernel(
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
         gd_mask = g_mask[:, None] & d_mask[None, :]
-        heads = h * GROUP + offs_g
+        heads = h.to(tl.int64) * GROUP + offs_g  # int64: head-major views have large head strides
         q = _load_group_rows(
             q_ptr, b64, q64, stride_qb, stride_qq, stride_qh, heads, offs_d, gd_mask
         )
@@ -169,10 +169,10 @@ def _gather_bwd_kernel(
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         lse = tl.load(lse_ptr + b64 * stride_lb + heads * stride_lh + q64, mask=g_mask, other=0.0)
         route_base = routes_ptr + b64 * stride_rb + rh64 * stride_rh + q64 * stride_rq
-        k_base = k_ptr + b64 * stride_kb + h * stride_kh
-        v_base = v_ptr + b64 * stride_vb + h * stride_vh
-        dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
-        dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
+        k_base = k_ptr + b64 * stride_kb + h.to(tl.int64) * stride_kh
+        v_base = v_ptr + b64 * stride_vb + h.to(tl.int64) * stride_vh
+        dk_base = dk_ptr + b64 * stride_dkb + h.to(tl.int64) * stride_dkh
+        dv_base = dv_ptr + b64 * stride_dkb + h.to(tl.int64) * stride_dkh
         dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for start in range(lo, hi, BLOCK_W):
             ids = tl.load(route_base + start + offs_w, mask=start + offs_w < hi, other=kv_length)

@@ -146,7 +146,7 @@ def _region_dkdv_kernel(
     hi = tl.load(ends_ptr + seg)
     if hi > lo:
         b64 = (bh // kv_heads).to(tl.int64)
-        h = bh % kv_heads
+        h64 = (bh % kv_heads).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         offs_r = tl.arange(0, BLOCK_R)
         src = tl.load(
@@ -156,12 +156,12 @@ def _region_dkdv_kernel(
         )
         key_ok = (src >= 0) & (src < kv_length)
         ids = tl.where(key_ok, src, 0).to(tl.int64)
-        k_rows = b64 * stride_kb + h * stride_kh + ids * stride_ks
-        v_rows = b64 * stride_vb + h * stride_vh + ids * stride_vs
+        k_rows = b64 * stride_kb + h64 * stride_kh + ids * stride_ks
+        v_rows = b64 * stride_vb + h64 * stride_vh + ids * stride_vs
         k_hi, k_lo = load_split(k_ptr, k_rows, key_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
         v_hi, v_lo = load_split(v_ptr, v_rows, key_ok, HEAD_DIM, D_HI, D_LO, HAS_LO)
         head_in_group = offs_r % GROUP_P
-        heads = h * GROUP + head_in_group
+        heads = h64 * GROUP + head_in_group  # int64: head-major views
         dk_hi = tl.zeros([BLOCK_K, D_HI], tl.float32)
         dv_hi = tl.zeros([BLOCK_K, D_HI], tl.float32)
         dk_lo = tl.zeros([BLOCK_K, D_LO], tl.float32)
@@ -193,7 +193,7 @@ def _region_dkdv_kernel(
             if HAS_LO:
                 dv_lo += fp32_dot(p_t, do_lo, IEEE, UPCAST)
                 dk_lo += fp32_dot(ds_t, q_lo, IEEE, UPCAST)
-        rows = b64 * stride_dkb + h * stride_dkh + ids * stride_dks
+        rows = b64 * stride_dkb + h64 * stride_dkh + ids * stride_dks
         write_split(
             dk_ptr, rows, key_ok, dk_hi * scale, dk_lo * scale, HEAD_DIM, D_HI, D_LO, HAS_LO, True
         )

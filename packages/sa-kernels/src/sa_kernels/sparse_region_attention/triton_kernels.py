@@ -93,10 +93,10 @@ def _region_fwd_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_w = tl.arange(0, BLOCK_W)
     g_mask = offs_g < GROUP
-    heads = h * GROUP + offs_g
     b64 = b.to(tl.int64)
     q64 = q_idx.to(tl.int64)
     h64 = h.to(tl.int64)
+    heads = h64 * GROUP + offs_g  # int64: head-major views have large head strides
     row = query_start + q_idx
     q_hi, q_lo = load_split(
         q_ptr, b64 * stride_qb + q64 * stride_qq + heads * stride_qh, g_mask,
@@ -105,8 +105,8 @@ def _region_fwd_kernel(
     route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
     stop = tl.load(counts_ptr + b64 * stride_cb + h64 * stride_ch + q_idx) * CHUNKS
     src_base = src_ptr + b64 * stride_sb
-    k_base = k_ptr + b64 * stride_kb + h * stride_kh
-    v_base = v_ptr + b64 * stride_vb + h * stride_vh
+    k_base = k_ptr + b64 * stride_kb + h64 * stride_kh
+    v_base = v_ptr + b64 * stride_vb + h64 * stride_vh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, D_HI], tl.float32)
@@ -187,7 +187,7 @@ def _region_bwd_kernel(
         offs_g = tl.arange(0, BLOCK_G)
         offs_w = tl.arange(0, BLOCK_W)
         g_mask = offs_g < GROUP
-        heads = h * GROUP + offs_g
+        heads = h64 * GROUP + offs_g  # int64: head-major views have large head strides
         q_rows = b64 * stride_qb + q64 * stride_qq + heads * stride_qh
         do_rows = b64 * stride_dob + q64 * stride_doq + heads * stride_doh
         o_rows = b64 * stride_ob + q64 * stride_oq + heads * stride_oh
@@ -202,10 +202,10 @@ def _region_bwd_kernel(
             tl.store(delta_ptr + b64 * stride_lb + heads * stride_lh + q64, delta, mask=g_mask)
         route_base = routes_ptr + b64 * stride_rb + h64 * stride_rh + q64 * stride_rq
         src_base = src_ptr + b64 * stride_sb
-        k_base = k_ptr + b64 * stride_kb + h * stride_kh
-        v_base = v_ptr + b64 * stride_vb + h * stride_vh
-        dk_base = dk_ptr + b64 * stride_dkb + h * stride_dkh
-        dv_base = dv_ptr + b64 * stride_dkb + h * stride_dkh
+        k_base = k_ptr + b64 * stride_kb + h64 * stride_kh
+        v_base = v_ptr + b64 * stride_vb + h64 * stride_vh
+        dk_base = dk_ptr + b64 * stride_dkb + h64 * stride_dkh
+        dv_base = dv_ptr + b64 * stride_dkb + h64 * stride_dkh
         dq_hi = tl.zeros([BLOCK_G, D_HI], tl.float32)
         dq_lo = tl.zeros([BLOCK_G, D_LO], tl.float32)
         for start in range(first, stop, BLOCK_W // BLOCK_RS):
