@@ -31,9 +31,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _check_slot_kernels(
-    weighted: bool, heads: int, dim: int, device: str, tolerance: float
+    weighted: bool, heads: int, dim: int, device: str, tolerance: float, group_stride: int = 0
 ) -> None:
-    """The slot kernels on `device` against autograd of the explicit float64 sum."""
+    """The slot kernels on `device` against autograd of the explicit float64 sum; with
+    `group_stride`, the slot ids and validity are views whose groups lie that many elements apart
+    (tiles of a long sequence's `[G, Q, K]` slot layout)."""
     from sa_routing.distillation.slot_logits import slot_grads, slot_logits
 
     gen = seeded(11)
@@ -53,7 +55,10 @@ def _check_slot_kernels(
     # validity with other strides than the ids (copied to one layout)
     strided = valid if weighted else valid.transpose(0, 1).contiguous().transpose(0, 1)
     on = lambda t: None if t is None else t.detach().to(device, torch.float32)
-    kernel_args = (on(queries), on(weights), scale, on(keys), ids.to(device), strided.to(device))
+    slot_args = (ids.to(device), strided.to(device))
+    if group_stride:
+        slot_args = tuple(_spread_groups(t, group_stride) for t in slot_args)
+    kernel_args = (on(queries), on(weights), scale, on(keys), *slot_args)
     logits = slot_logits(*kernel_args, count=units)
     picked = keys[ids.long().clamp_max(units - 1)]  # [G, rows, K, Di]
     dots = queries.transpose(0, 1) @ picked.transpose(-1, -2)  # [G, rows, Hi, K]
@@ -96,6 +101,24 @@ def test_slot_logits_and_grads_equal_autograd_of_the_explicit_sum(weighted, head
 def test_cuda_slot_logits_and_grads_are_fp32_accurate(heads, dim) -> None:
     """Both forms on the GPU stay within FP32-level error of the float64 sums."""
     _check_slot_kernels(True, heads, dim, "cuda", 1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_slot_kernels_read_group_offsets_past_int32() -> None:
+    """Slot ids whose group offsets pass 2**31 elements, as a tile of the `[G, Q, K]` slot layout
+    does at 4 groups, top-2048 and 350k local queries."""
+    _check_slot_kernels(True, 4, 256, "cuda", 1e-4, group_stride=2**30 + 64)
+
+
+def _spread_groups(t: torch.Tensor, group_stride: int) -> torch.Tensor:
+    """t [G, rows, K] copied into a view whose groups lie `group_stride` elements apart."""
+    groups, rows, slots = t.shape
+    storage = torch.empty(
+        (groups - 1) * group_stride + rows * slots, dtype=t.dtype, device=t.device
+    )
+    view = storage.as_strided(t.shape, (group_stride, slots, 1))
+    return view.copy_(t)
 
 
 def _check_dense_tile_kernels(

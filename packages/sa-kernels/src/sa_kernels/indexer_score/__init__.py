@@ -28,7 +28,8 @@ def indexer_score_tile(
 
     Args:
         query: [batch, queries, groups, heads_per_group, dim] bfloat16 (E4M3-rounded and widened; float16/float32
-            accepted, float64 on the reference); last-dim stride 1, other strides free.
+            accepted, float64 on the reference); last-dim stride 1, other strides free (a head stride
+            whose offsets pass 2**31 elements is copied contiguous first).
         weights: [batch, queries, groups, heads_per_group] float32 (float64 with float64 query), signed.
         summary: [batch, regions, dim], query's dtype (E4M3-rounded region summaries); last-dim stride 1.
         start, stop: the query rows to score, `0 <= start <= stop <= queries`.
@@ -125,6 +126,8 @@ def indexer_score_tile(
         raise ValueError(f"{fn}: the Triton path takes at most 128 heads_per_group; got {heads}")
     from sa_kernels.indexer_score import triton_kernels
 
+    if (heads - 1) * query.stride(3) >= 2**31:  # the kernels' head offsets are int32 products
+        query = query.contiguous()
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=query.device)
     return triton_kernels.indexer_score_tile(

@@ -229,7 +229,7 @@ def _sparse_mla_fwd_hopper_kernel(
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     offs_h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, load_layout))
     hmask = offs_h < heads
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_row = Q + t * stride_qt + offs_h[:, None].to(gl.int64) * stride_qh
     offs_v = gl.arange(0, DV, layout=gl.SliceLayout(0, load_layout))
     qn_smem.store(gl.load(q_row + offs_v[None, :], mask=hmask[:, None], other=0.0))
     if D_ROPE > 0:
@@ -237,7 +237,7 @@ def _sparse_mla_fwd_hopper_kernel(
         offs_hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_layout))
         offs_r = DV + gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rope_layout))
         q_rope = gl.load(
-            Q + t * stride_qt + offs_hr[:, None] * stride_qh + offs_r[None, :],
+            Q + t * stride_qt + offs_hr[:, None].to(gl.int64) * stride_qh + offs_r[None, :],
             mask=(offs_hr < heads)[:, None],
             other=0.0,
         )
@@ -312,7 +312,7 @@ def _sparse_mla_fwd_hopper_kernel(
     # Through shared memory (q's buffer is free now) for coalesced 16-byte stores.
     qn_smem.store(out.to(gl.bfloat16))
     cta_barrier()
-    o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
+    o_row = OUT + t * stride_ot + offs_h[:, None].to(gl.int64) * stride_oh
     gl.store(o_row + offs_v[None, :], qn_smem.load(load_layout), mask=hmask[:, None])
     lse = gl.where(
         nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2_IN_KERNEL, float("inf")

@@ -46,7 +46,7 @@ def _head_rows(ptr, t, stride_t, offs_h, stride_h, offs_d, rows_ok, cols_ok, UPC
     """Token t's rows offs_h, columns offs_d ([BLOCK_H, len(offs_d)]; zeros outside rows_ok x
     cols_ok), widened to FP32 under UPCAST."""
     rows = tl.load(
-        ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :],
+        ptr + t * stride_t + offs_h[:, None].to(tl.int64) * stride_h + offs_d[None, :],
         mask=rows_ok[:, None] & cols_ok[None, :],
         other=0.0,
     )
@@ -230,7 +230,7 @@ def _sparse_mla_bwd_dq_kernel(
         dq_nope += tl.dot(ds, k_nope)
         if D_ROPE > 0:
             dq_rope += tl.dot(ds, k_rope)
-    dq_row = DQ + t * stride_dqt + offs_h[:, None] * stride_dqh
+    dq_row = DQ + t * stride_dqt + offs_h[:, None].to(tl.int64) * stride_dqh
     tl.store(dq_row + offs_v[None, :], dq_nope.to(DQ.dtype.element_ty), mask=hmask[:, None])
     if D_ROPE > 0:
         tl.store(dq_row + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=hmask[:, None])

@@ -60,7 +60,7 @@ def _sparse_mla_fwd_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_v = tl.arange(0, DV)
-    q_row = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_row = Q + t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
     q_nope = tl.load(q_row + offs_v[None, :], mask=hmask[:, None], other=0.0)
     if UPCAST:
         q_nope = q_nope.to(tl.float32)
@@ -119,7 +119,7 @@ def _sparse_mla_fwd_kernel(
         denominator += tl.exp2(sink * 1.4426950408889634 - tl.where(nonempty, m_i, 0.0))
     scale = tl.where(nonempty, 1.0 / tl.where(nonempty, denominator, 1.0), 0.0)
     out = acc * scale[:, None]
-    o_row = OUT + t * stride_ot + offs_h[:, None] * stride_oh
+    o_row = OUT + t * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh
     tl.store(o_row + offs_v[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None])
     lse = tl.where(
         nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("inf")

@@ -98,7 +98,7 @@ def _slot_logits_kernel(
     DOT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # g · stride_ug passes 2**31 at long lengths
     for start in range(0, slots, BLOCK_K):
         _, _, dots, coefficient, valid, _ = _slot_tile(
             iq_ptr, iw_ptr, keys_ptr, units_ptr, valid_ptr, row, g, start,
@@ -132,7 +132,7 @@ def _slot_grads_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DI: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # g · stride_ug passes 2**31 at long lengths
     row64 = row.to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_DI)

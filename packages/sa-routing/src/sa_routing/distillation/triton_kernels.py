@@ -133,7 +133,7 @@ def _dense_lse_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    kv = tl.program_id(1)
+    kv = tl.program_id(1).to(tl.int64)  # head-major views: head offsets pass 2**31
     b = tl.program_id(2).to(tl.int64)
     r = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = r < queries * per_kv
@@ -169,8 +169,8 @@ def _dense_lse_kernel(
 @triton.jit
 def _dense_mass_kernel(
     q_ptr, k_ptr, lse_ptr, units_ptr, kdoc_ptr, qdoc_ptr, cstart_ptr, cstop_ptr, out_ptr,
-    stride_qq, stride_qh, stride_ks, stride_kh, stride_lq, stride_uu, stride_og, stride_or,
-    q0, rows, u0, units, head0, kv, g, query_start, head_dim, scale_log2, units_per_program,
+    stride_qq, stride_qh, stride_ks, stride_lq, stride_uu, stride_og, stride_or,
+    q0, rows, u0, units, head0, kv_offset, g, query_start, head_dim, scale_log2, units_per_program,
     HC: tl.constexpr, BLOCK_Q: tl.constexpr, NU: tl.constexpr, UNIT: tl.constexpr,
     D_HI: tl.constexpr, D_LO: tl.constexpr, HAS_LO: tl.constexpr, ACCUMULATE: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -182,7 +182,7 @@ def _dense_mass_kernel(
     r = tl.arange(0, BLOCK_Q * HC)
     row_q = (first + r // HC).to(tl.int64)
     row_ok = row_q < q0 + rows
-    q_rows = row_q * stride_qq + (head0 + r % HC) * stride_qh
+    q_rows = row_q * stride_qq + (head0 + r % HC).to(tl.int64) * stride_qh
     offs_hi = tl.arange(0, D_HI)
     offs_lo = D_HI + tl.arange(0, D_LO)
     q_hi = _load_rows(q_ptr, q_rows, row_ok, offs_hi, head_dim)
@@ -216,7 +216,7 @@ def _dense_mass_kernel(
         key_row = tl.reshape(unit_rows, (NU * UNIT,)).to(tl.int64)
         key_unit = tl.reshape(tl.broadcast_to(u[:, None], (NU, UNIT)), (NU * UNIT,))
         k_ok = key_row >= 0
-        k_rows = key_row * stride_ks + kv * stride_kh
+        k_rows = key_row * stride_ks + kv_offset  # kv · stride on the host: int64 past 2**31
         s = _scores(
             q_hi, q_lo, k_ptr, k_rows, k_ok, offs_hi, offs_lo, head_dim, HAS_LO, IEEE, UPCAST
         )
@@ -273,7 +273,7 @@ def _sparse_kernel(
     IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
-    g = tl.program_id(1)
+    g = tl.program_id(1).to(tl.int64)  # g · stride_ig passes 2**31 at long lengths
     qi = (q0 + r).to(tl.int64)
     qrow = query_start + qi
     qdoc = tl.load(qdoc_ptr + qi)
@@ -473,9 +473,9 @@ def dense_mass(
         _dense_mass_kernel[grid](
             query, key, lse, unit_rows, key_documents, query_documents,
             candidate_start, candidate_stop, out,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), lse.stride(0),
+            query.stride(0), query.stride(1), key.stride(0), lse.stride(0),
             unit_rows.stride(0), out.stride(0), out.stride(1),
-            q0, q1 - q0, u0, u1 - u0, head0, kv, g, query_start, dim,
+            q0, q1 - q0, u0, u1 - u0, head0, kv * key.stride(1), g, query_start, dim,
             softmax_scale * LOG2E, per_program,
             HC=chunk, BLOCK_Q=block_q, NU=nu, UNIT=unit,
             D_HI=d_hi, D_LO=d_lo, HAS_LO=has_lo, ACCUMULATE=g in written,
