@@ -159,6 +159,23 @@ def test_canonical_routes_keep_rows_that_are_already_ascending():
     assert counts.tolist() == [[[2, 2], [4, 0]]]
 
 
+def test_canonical_int32_routes_are_returned_without_a_copy():
+    """The Step-5 selection's form (int32, contiguous, ascending, sentinel padding) is shared, not
+    copied; any other padding, order or dtype gets a new tensor and leaves the input as it was."""
+    ids = torch.tensor([[[[4, 6, 9, 9], [0, 1, 9, 9]], [[2, 3, 5, 8], [9, 9, 9, 9]]]]).int()
+    assert canonical_routes(ids, 9)[0] is ids
+    for other in (
+        ids.long(),
+        ids.masked_fill(ids == 9, -1),
+        ids.flip(-1),
+        ids.repeat(1, 1, 1, 2)[..., :4],
+    ):
+        before = other.clone()
+        routes, _ = canonical_routes(other, 9)
+        assert routes.data_ptr() != other.data_ptr() and torch.equal(other, before)
+        assert routes.dtype == torch.int32 and routes.is_contiguous()
+
+
 def _flex_membership(mask: RouteBlockMask, batch: int) -> torch.Tensor:
     """Dense membership the Flex BlockMask encodes: full tiles, plus partial tiles where mask_mod says so."""
     flex = mask.flex

@@ -380,6 +380,25 @@ def test_checkpointing_replays_routes_indexer_runs_once_per_layer_and_grads_are_
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
 
 
+def test_the_indexer_selection_is_the_gather_backends_canonical_routes_without_a_copy():
+    """What the replay records per CSA layer, the selection and its block mask, holds one
+    [B, G, L, topk + 1] id tensor: the selection is already canonical for the region kernels."""
+    from sa_kernels.sparse_region_attention import build_region_block_mask
+
+    model = tiny_model(layer_types=("swa", "csa", "swa", "csa"))
+    selections = []
+    for indexer in model.indexers():
+        indexer.register_forward_hook(lambda _m, _i, out: selections.append(out))
+    positions, padding = packed_positions(DOCUMENTS)
+    model(token_ids(), positions, padding)
+    assert len(selections) == 2
+    for selection in selections:
+        ids = selection.region_ids
+        sources = torch.zeros(ids.shape[0], selection.region_count, 1, dtype=torch.int32)
+        mask = build_region_block_mask(ids, sources, ids.shape[2], 8, build_flex=False)
+        assert mask.routes is ids
+
+
 def test_without_route_reuse_the_recompute_runs_the_indexer_again():
     _, _, calls = train_step("full", reuse=False)
     assert calls == 4

@@ -10,7 +10,9 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
     selectors emit) are kept as they are; otherwise every row is sorted once and its repeats move,
     as sentinels, behind its distinct ids. Whole rows stay ascending, so a key range's slots are
     found by binary search (the gather backward's key-range passes). One host synchronisation (the
-    ascending check).
+    ascending check). Ids that are already canonical, int32 and contiguous with every padding slot
+    the sentinel (the Step-5 selection's region ids) are returned as they are, not copied: a
+    recorded selection and its block mask then share one tensor.
 
     Args:
         token_ids: integer [batch, route_heads, queries, W]; ids outside [0, kv_length) are padding.
@@ -24,9 +26,13 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
     valid = (token_ids >= 0) & (token_ids < kv_length)
     sentinel = torch.full((), kv_length, dtype=torch.int32, device=token_ids.device)
     ids = torch.where(valid, token_ids.to(torch.int32), sentinel)
+    reusable = False
     if ids.shape[-1] > 1:
         tail, head = ids[..., 1:], ids[..., :-1]
-        if not bool(((tail > head) | (tail == kv_length)).all()):
+        ascending = ((tail > head) | (tail == kv_length)).all()
+        if token_ids.dtype == torch.int32 and token_ids.is_contiguous():  # one sync for both
+            ascending, reusable = torch.stack((ascending, (ids == token_ids).all())).tolist()
+        if not bool(ascending):
             ids = ids.sort(dim=-1).values
             keep = ids < kv_length
             keep[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # first occurrences of valid ids
@@ -40,4 +46,4 @@ def canonical_routes(token_ids: torch.Tensor, kv_length: int) -> tuple[torch.Ten
             )
             return ids.contiguous(), counts.squeeze(-1).contiguous()
     counts = valid.sum(dim=-1, dtype=torch.int32)
-    return ids.contiguous(), counts
+    return (token_ids if reusable else ids.contiguous()), counts
