@@ -37,6 +37,7 @@ from sa_kernels.sparse_gqa.triton_kernels import (
     key_split_bounds,
 )
 from sa_kernels.synthetic import clustered_routes, scattered_routes
+from sa_kernels.testing import spread_copy
 
 
 def _inputs(
@@ -1014,22 +1015,12 @@ def test_cuda_gather_reads_head_offsets_past_int32():
     ids = _random_ids((1, 512, 40), 1024, gen, device="cuda")
     grad = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
     results = []
-    for tensors in ((q, k, v, grad), [_head_major(t, 2**30 + 64) for t in (q, k, v, grad)]):
+    for tensors in ((q, k, v, grad), [spread_copy(t, 2, 2**30 + 64) for t in (q, k, v, grad)]):
         out = sparse_gqa_attention(*tensors[:3], ids, backend="gather")
         results.append((out, *torch.autograd.grad(out, tensors[:3], tensors[3])))
         del tensors, out
     for name, got, want in zip(("out", "dq", "dk", "dv"), results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=name)
-
-
-def _head_major(t, head_stride):
-    """t [1, S, H, D] copied into a view whose heads lie `head_stride` elements apart (a head-major
-    layout): head offsets pass 2**31 elements while every stride stays an int32 launch argument."""
-    s, h, d = t.shape[1:]
-    storage = torch.empty((h - 1) * head_stride + s * d, dtype=t.dtype, device=t.device)
-    view = storage.as_strided((1, s, h, d), (s * d, d, head_stride, 1))
-    view.copy_(t.detach())
-    return view.requires_grad_(t.requires_grad)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from sa_kernels.sparse_region_attention.triton_kernels import (
     region_attention_forward,
 )
 from sa_kernels.synthetic import clustered_csa_selection, csa_selection, region_layout
+from sa_kernels.testing import spread_copy
 
 
 def _inputs(batch, queries, heads, groups, head_dim, kv_length, dtype, device="cpu", seed=0):
@@ -735,16 +736,6 @@ def test_cuda_gather_backward_variants_match_the_oracle(variant):
         assert _relative_error(got, want) < 2e-2, f"d{name}"
 
 
-def _head_major(t, head_stride):
-    """t [1, S, H, D] copied into a view whose heads lie `head_stride` elements apart (a head-major
-    layout): head offsets pass 2**31 elements while every stride stays an int32 launch argument."""
-    s, h, d = t.shape[1:]
-    storage = torch.empty((h - 1) * head_stride + s * d, dtype=t.dtype, device=t.device)
-    view = storage.as_strided((1, s, h, d), (s * d, d, head_stride, 1))
-    view.copy_(t.detach())
-    return view.requires_grad_(t.requires_grad)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dkv", ["key_major", "atomic"])
 def test_cuda_gather_reads_head_offsets_past_int32(dkv):
@@ -757,7 +748,7 @@ def test_cuda_gather_reads_head_offsets_past_int32(dkv):
     mask = build_region_block_mask(ids, sources, kv_length, heads, query_start=1024)
     config = {**default_config(64, True), "DKV": dkv}
     results = []
-    for tensors in ((q, k, v, grad), [_head_major(t, 2**30 + 64) for t in (q, k, v, grad)]):
+    for tensors in ((q, k, v, grad), [spread_copy(t, 2, 2**30 + 64) for t in (q, k, v, grad)]):
         args = [t.detach() for t in tensors[:3]]
         out, lse = region_attention_forward(*args, mask.routes, mask.counts, sources, 1024, 0.125)
         grads = region_attention_backward(

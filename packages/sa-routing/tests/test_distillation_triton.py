@@ -8,6 +8,7 @@ from distillation_cases import assert_matches_oracle, seeded
 from step5_cases import document_positions
 
 from sa_kernels.backend import triton_interpret
+from sa_kernels.testing import spread_copy
 from sa_routing import (
     csa_indexer_distillation_loss,
     qsa_indexer_distillation_loss,
@@ -57,7 +58,7 @@ def _check_slot_kernels(
     on = lambda t: None if t is None else t.detach().to(device, torch.float32)
     slot_args = (ids.to(device), strided.to(device))
     if group_stride:
-        slot_args = tuple(_spread_groups(t, group_stride) for t in slot_args)
+        slot_args = tuple(spread_copy(t, 0, group_stride) for t in slot_args)
     kernel_args = (on(queries), on(weights), scale, on(keys), *slot_args)
     logits = slot_logits(*kernel_args, count=units)
     picked = keys[ids.long().clamp_max(units - 1)]  # [G, rows, K, Di]
@@ -109,16 +110,6 @@ def test_cuda_slot_kernels_read_group_offsets_past_int32() -> None:
     """Slot ids whose group offsets pass 2**31 elements, as a tile of the `[G, Q, K]` slot layout
     does at 4 groups, top-2048 and 350k local queries."""
     _check_slot_kernels(True, 4, 256, "cuda", 1e-4, group_stride=2**30 + 64)
-
-
-def _spread_groups(t: torch.Tensor, group_stride: int) -> torch.Tensor:
-    """t [G, rows, K] copied into a view whose groups lie `group_stride` elements apart."""
-    groups, rows, slots = t.shape
-    storage = torch.empty(
-        (groups - 1) * group_stride + rows * slots, dtype=t.dtype, device=t.device
-    )
-    view = storage.as_strided(t.shape, (group_stride, slots, 1))
-    return view.copy_(t)
 
 
 def _check_dense_tile_kernels(

@@ -38,3 +38,24 @@ def kernel_device_ms(fn: Callable[[], object], iters: int = 3) -> dict[str, floa
             ms = event.self_device_time_total / 1e3 / iters
             times[event.key] = times.get(event.key, 0.0) + ms
     return times
+
+
+def spread_copy(t, dim: int, stride: int):
+    """A copy of `t` whose dimension `dim` steps `stride` elements (the other dimensions keep a
+    contiguous layout among themselves), e.g. heads of a head-major view: offsets along `dim` pass
+    2**31 elements while every stride stays an int32 launch argument. Only the copied elements of
+    its storage are written. Keeps `t.requires_grad` as a leaf."""
+    import math
+
+    import torch
+
+    rest = [n for i, n in enumerate(t.shape) if i != dim]
+    block = math.prod(rest)
+    if stride < block:
+        raise ValueError(f"spread_copy: stride {stride} would overlap the {block} other elements")
+    strides = list(torch.empty(rest, device="meta").stride())
+    strides.insert(dim, stride)
+    storage = torch.empty((t.shape[dim] - 1) * stride + block, dtype=t.dtype, device=t.device)
+    view = storage.as_strided(t.shape, strides)
+    view.copy_(t.detach())
+    return view.requires_grad_(t.requires_grad)
